@@ -1,0 +1,133 @@
+"""In-memory cache of built cuDNN plans: a bounded, thread-safe LRU keyed by :class:`NormSpec`.
+
+Building a graph costs 0.1-1.4 s, so every built :class:`~cudnorm._graphs.Plan` is kept here,
+and, when the on-disk plan store is enabled, looked up there before building and saved there
+after. A spec cuDNN declines is remembered too (as ``DECLINED``), so the PyTorch fallback is
+taken at once on later calls instead of re-asking cuDNN.
+
+Size: ``CUDNORM_CACHE_SIZE`` entries (default 512).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ._spec import NormSpec
+
+DECLINED = object()  # cache value for a spec cuDNN has no engine for
+
+
+@dataclass
+class CacheInfo:
+    """Counters of the plan cache (see :func:`cudnorm.cache_info`)."""
+
+    hits: int = 0
+    misses: int = 0
+    builds: int = 0
+    build_seconds: float = 0.0
+    store_loads: int = 0
+    declined: int = 0
+    evictions: int = 0
+    size: int = 0
+    capacity: int = 0
+
+
+class PlanCache:
+    """Bounded LRU of ``NormSpec -> Plan | DECLINED`` with hit/miss/build counters.
+
+    Thread-safe: lookups take one lock; a miss builds under a per-spec lock, so two threads
+    asking for the same new spec build it once while other specs stay servable.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[NormSpec, threading.Lock] = {}
+        self._info = CacheInfo(capacity=capacity)
+
+    def lookup(self, spec: NormSpec):
+        """The cached value for ``spec`` (counted as a hit) or ``None``."""
+        with self._lock:
+            value = self._entries.get(spec)
+            if value is not None:
+                self._entries.move_to_end(spec)
+                self._info.hits += 1
+            return value
+
+    def get_or_build(self, spec: NormSpec, build):
+        """The value for ``spec``; on a miss ``build(spec)`` makes it (once per spec)."""
+        value = self.lookup(spec)
+        if value is not None:
+            return value
+        with self._lock:
+            spec_lock = self._building.setdefault(spec, threading.Lock())
+        with spec_lock:
+            with self._lock:
+                value = self._entries.get(spec)
+                if value is None:
+                    self._info.misses += 1
+            if value is None:
+                value = build(spec)
+                self.put(spec, value)
+        with self._lock:
+            self._building.pop(spec, None)
+        return value
+
+    def put(self, spec: NormSpec, value) -> None:
+        with self._lock:
+            self._entries[spec] = value
+            self._entries.move_to_end(spec)
+            while len(self._entries) > self._info.capacity:
+                self._entries.popitem(last=False)
+                self._info.evictions += 1
+
+    def record_build(self, seconds: float, *, from_store: bool = False, declined: bool = False) -> None:
+        with self._lock:
+            if declined:
+                self._info.declined += 1
+            elif from_store:
+                self._info.store_loads += 1
+            else:
+                self._info.builds += 1
+                self._info.build_seconds += seconds
+
+    def specs(self) -> list[NormSpec]:
+        """The cached specs, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(**{**self._info.__dict__, "size": len(self._entries)})
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            capacity = self._info.capacity
+            self._info = CacheInfo(capacity=capacity)
+
+    def resize(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"cudnorm: cache capacity must be >= 1, got {capacity}")
+        with self._lock:
+            self._info.capacity = capacity
+            while len(self._entries) > capacity:
+                self._entries.popitem(last=False)
+                self._info.evictions += 1
+
+
+def _capacity_from_env() -> int:
+    raw = os.environ.get("CUDNORM_CACHE_SIZE", "512")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be >= 1, got {value}")
+    return value
+
+
+plans = PlanCache(_capacity_from_env())

@@ -1,0 +1,75 @@
+"""Argument checks shared by every public op: one message style, naming the op and argument.
+
+Every check runs before any kernel is launched (and at trace time under ``torch.compile``),
+so a bad call raises ``TypeError``/``ValueError`` instead of a CUDA fault or a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ._runtime import SUPPORTED_DTYPES
+
+
+def _fail(exc_type, op: str, arg: str, message: str):
+    raise exc_type(f"cudnorm.{op}: argument '{arg}' {message}")
+
+
+def check_tensor(op: str, arg: str, value, *, dtypes=SUPPORTED_DTYPES) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(TypeError, op, arg, f"must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        _fail(TypeError, op, arg, f"has dtype {value.dtype}; supported: {names}")
+    return value
+
+
+def check_input(op: str, value) -> torch.Tensor:
+    check_tensor(op, "input", value)
+    if value.numel() == 0:
+        _fail(ValueError, op, "input", f"is empty (shape {tuple(value.shape)}); nothing to normalise")
+    return value
+
+
+def normalized_size(op: str, input: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
+    """Validate ``normalized_shape`` against ``input``; return it as a tuple and its product."""
+    if isinstance(normalized_shape, int):
+        shape = (normalized_shape,)
+    elif isinstance(normalized_shape, (Sequence, torch.Size)) and all(isinstance(d, int) for d in normalized_shape):
+        shape = tuple(normalized_shape)
+    else:
+        _fail(TypeError, op, "normalized_shape", f"must be an int or a sequence of ints, got {normalized_shape!r}")
+    if not shape or any(d <= 0 for d in shape):
+        _fail(ValueError, op, "normalized_shape", f"must be non-empty with positive sizes, got {shape}")
+    if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
+        _fail(ValueError, op, "normalized_shape",
+              f"{shape} does not match the trailing dims of input of shape {tuple(input.shape)}")
+    return shape, math.prod(shape)
+
+
+def check_param(op: str, arg: str, value, input: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """Weight/bias: shape ``normalized_shape``, dtype float32 or the input's, same device."""
+    if value is None:
+        return None
+    check_tensor(op, arg, value, dtypes=tuple(dict.fromkeys((input.dtype, torch.float32))))
+    if tuple(value.shape) != shape:
+        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)} but normalized_shape is {shape}")
+    check_same_device(op, arg, value, input)
+    return value
+
+
+def check_same_device(op: str, arg: str, value: torch.Tensor, input: torch.Tensor) -> None:
+    if value.device != input.device:
+        _fail(ValueError, op, arg, f"is on {value.device} but input is on {input.device}")
+
+
+def check_eps(op: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        _fail(TypeError, op, "eps", f"must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        _fail(ValueError, op, "eps", f"must be finite and >= 0, got {eps}")
+    return eps

@@ -1,0 +1,133 @@
+"""From a call's tensors to a runnable plan: routing, policies and the helpers every op shares.
+
+* :func:`get_plan` returns the cached plan of a spec (memory -> on-disk store -> build), or
+  ``None`` when cuDNN declines it, in which case the op runs PyTorch's kernels.
+* :func:`forward_params` decides which scale/bias buffers the forward graph reads. With
+  fp32 master weights and half-precision activations it rounds them to the activation
+  dtype, because cuDNN 9.19 serves an fp32 scale only on a generic engine 3-4x slower
+  (see docs/concepts.md, "fp32 weights"); the backward reads the fp32 weight unchanged.
+* Policies come from environment variables, read on every call so tests can flip them:
+  ``CUDNORM_AUTOTUNE`` (``auto``/``1``/``0``) and ``CUDNORM_FP32_WEIGHT_FWD``
+  (``round``: cast in PyTorch, ``graph``: cast inside the cuDNN graph, ``native``: no cast).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+
+from . import _cache, _graphs, _runtime
+from ._spec import NormSpec
+
+# Autotuning times every candidate plan once per spec; it pays where a call is long enough
+# for a 1.1-1.5x plan difference to outweigh a few hundred ms of tuning (facts section 2).
+AUTOTUNE_MIN_ELEMENTS = 1 << 22
+
+_plan_store = None  # set by cudnorm._plan_store when the on-disk store is enabled
+
+
+def set_plan_store(store) -> None:
+    """Install (or remove with ``None``) the on-disk plan store consulted on cache misses."""
+    global _plan_store
+    _plan_store = store
+
+
+def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
+    mode = os.environ.get("CUDNORM_AUTOTUNE", "auto").strip().lower()
+    if mode in ("1", "on", "true", "yes", "always"):
+        return True
+    if mode in ("0", "off", "false", "no", "never"):
+        return False
+    if mode != "auto":
+        raise ValueError(f"cudnorm: CUDNORM_AUTOTUNE must be auto, 1 or 0, got {mode!r}")
+    return phase != "bwd" and rows * cols >= AUTOTUNE_MIN_ELEMENTS
+
+
+def fp32_weight_mode() -> str:
+    mode = os.environ.get("CUDNORM_FP32_WEIGHT_FWD", "round").strip().lower()
+    if mode not in ("round", "graph", "native"):
+        raise ValueError(f"cudnorm: CUDNORM_FP32_WEIGHT_FWD must be round, graph or native, got {mode!r}")
+    return mode
+
+
+_warned: set = set()
+
+
+def _build(spec: NormSpec):
+    store = _plan_store
+    if store is not None:
+        start = time.perf_counter()
+        plan = store.load(spec)
+        if plan is not None:
+            _cache.plans.record_build(time.perf_counter() - start, from_store=True)
+            return plan
+    try:
+        plan = _graphs.build_plan(spec)
+    except Exception as exc:  # no engine for this configuration: take the PyTorch path
+        _cache.plans.record_build(0.0, declined=True)
+        if spec.slug() not in _warned:
+            _warned.add(spec.slug())
+            warnings.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
+                          RuntimeWarning, stacklevel=4)
+        return _cache.DECLINED
+    _cache.plans.record_build(plan.build_seconds)
+    if store is not None:
+        store.save(plan)
+    return plan
+
+
+def get_plan(spec: NormSpec):
+    """The :class:`~cudnorm._graphs.Plan` for ``spec``, or ``None`` if cuDNN declines it."""
+    value = _cache.plans.get_or_build(spec, _build)
+    return None if value is _cache.DECLINED else value
+
+
+def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
+    """``(scale, bias, scale_dtype, scale_cast)`` buffers for a forward graph.
+
+    Absent weight/bias become cached ones/zeros so one graph formulation serves every
+    affine variant (the extra ``N``-element read is negligible).
+    """
+    params = [p for p in (weight, bias) if p is not None]
+    wants_fp32 = x.dtype != torch.float32 and any(p.dtype == torch.float32 for p in params)
+    mode = fp32_weight_mode() if wants_fp32 else "round"
+    dtype = torch.float32 if mode in ("graph", "native") else x.dtype
+    n = x.shape[-1] if weight is None and bias is None else (weight if weight is not None else bias).numel()
+    scale = constant(1.0, n, dtype, x.device) if weight is None else weight.reshape(-1).to(dtype)
+    shift = None
+    if has_bias:
+        shift = constant(0.0, n, dtype, x.device) if bias is None else bias.reshape(-1).to(dtype)
+    return scale, shift, dtype, mode == "graph"
+
+
+_constants: dict = {}
+
+
+def constant(value: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached read-only vector filled with ``value`` (stands in for an absent weight/bias)."""
+    key = (value, n, dtype, device)
+    tensor = _constants.get(key)
+    if tensor is None:
+        if len(_constants) > 64:
+            _constants.clear()
+        tensor = _constants[key] = torch.full((n,), value, dtype=dtype, device=device)
+    return tensor
+
+
+def cudnn_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x: [rows, N]`` in a layout cuDNN takes: unit column stride, 16-byte aligned rows
+    and base pointer. Copies only when ``x`` is not already so (run inside the ops, on
+    real tensors: the pointer is not known while tracing)."""
+    row_bytes = x.stride(0) * x.element_size()
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or row_bytes % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    return x
+
+
+def route(x: torch.Tensor) -> str | None:
+    """``None`` when cuDNN may serve ``x``; else why the PyTorch path runs."""
+    return _runtime.route(x)

@@ -1,0 +1,281 @@
+"""The one place that turns a :class:`NormSpec` into a cuDNN graph, builds it and runs it.
+
+``build_ir(spec)`` only describes the graph (no GPU needed: on a CPU machine the IR can be
+built and inspected, which the tests do); ``build_plan(spec)`` validates, picks a plan (the
+heuristics' first, or the fastest when autotuning) and finalises it; a :class:`Plan` runs
+with the frontend's ordered fast path (a tuple of buffers in a fixed role order).
+
+No autograd here: the op modules decide *what* to run, this module only knows *how*.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _runtime
+from ._spec import NormSpec
+
+# Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
+UIDS = {
+    "x": 1, "scale": 2, "bias": 3, "eps": 4, "y": 5, "mean": 6, "rstd": 7,
+    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11, "one": 12,
+}
+
+
+def roles(spec: NormSpec) -> tuple[str, ...]:
+    """The buffers a graph reads and writes, in the order :meth:`Plan.run` takes them."""
+    return _io_roles(spec) + (("one",) if spec.dit else ())
+
+
+def _io_roles(spec: NormSpec) -> tuple[str, ...]:
+    if spec.phase == "bwd":
+        if spec.op == "rms_norm":
+            return ("x", "scale", "dy", "rstd", "dx", "dscale")
+        return ("x", "scale", "dy", "mean", "rstd", "dx", "dscale", "dbias")
+    inputs = ("x", "scale", "eps") if spec.op == "rms_norm" else ("x", "scale", "bias", "eps")
+    if spec.phase == "infer":
+        return inputs + ("y",)
+    stats = ("rstd",) if spec.op == "rms_norm" else ("mean", "rstd")
+    return inputs + ("y",) + stats
+
+
+def _host_scalar_shape(spec: NormSpec) -> list[int]:
+    return [1, 1, 1] if spec.op == "ada_layer_norm" else [1, 1, 1, 1]
+
+
+def buffer_shapes(spec: NormSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every buffer of ``spec`` (as torch allocates them)."""
+    f32 = torch.float32
+    x = ((spec.rows, spec.cols), spec.x_dtype)
+    if spec.op == "ada_layer_norm":
+        param = ((spec.batch, spec.cols), spec.scale_dtype)
+        dparam = ((spec.batch, spec.cols), spec.scale_dtype)
+    else:
+        param = ((spec.cols,), spec.scale_dtype)
+        dparam = ((spec.cols,), f32)
+    stat = ((spec.rows,), f32)
+    table = {"x": x, "y": x, "dy": x, "dx": x, "scale": param, "bias": param, "dscale": dparam,
+             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32), "one": ((1,), f32)}
+    return {r: table[r] for r in roles(spec)}
+
+
+def _dims(spec: NormSpec):
+    """(x dims, x strides, param dims, param strides, stat dims, stat strides) in cuDNN's layout."""
+    if spec.op == "ada_layer_norm":
+        b, s, n = spec.batch, spec.seq, spec.cols
+        return ([b, s, n], [s * spec.x_row_stride, spec.x_row_stride, 1], [b, 1, n], [n, n, 1], [b, s, 1], [s, 1, 1])
+    m, n = spec.rows, spec.cols
+    return ([m, n, 1, 1], [spec.x_row_stride, 1, 1, 1], [1, n, 1, 1], [n, 1, 1, 1], [m, 1, 1, 1], [1, 1, 1, 1])
+
+
+def build_ir(spec: NormSpec, handle=None):
+    """Describe the graph of ``spec`` (no validation, no GPU work). Returns ``(graph, uids)``."""
+    cudnn = _runtime.cudnn_module()
+    dt = _runtime.torch_to_cudnn_dtype
+    f32 = cudnn.data_type.FLOAT
+    io = dt(spec.x_dtype)
+    kwargs = dict(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32)
+    if handle is not None:
+        kwargs["handle"] = handle
+    g = cudnn.pygraph(**kwargs)
+    xd, xs, pd, ps, sd, ss = _dims(spec)
+    t = {}
+
+    def tensor(role, dims, strides, dtype, **kw):
+        t[role] = g.tensor(name=role, dim=dims, stride=strides, data_type=dtype, uid=UIDS[role], **kw)
+        return t[role]
+
+    def output(role, node_out, dtype):
+        node_out.set_output(True).set_data_type(dtype).set_uid(UIDS[role])
+        # explicit layouts: outputs are packed even when x has padded rows, and the
+        # frontend's shape inference for AdaLN stats is not final before validate()
+        dims, strides = {"y": (xd, _packed(xd)), "dx": (xd, _packed(xd)), "mean": (sd, ss), "rstd": (sd, ss),
+                         "dscale": (pd, ps), "dbias": (pd, ps)}[role]
+        node_out.set_dim(dims).set_stride(strides)
+        t[role] = node_out
+
+    tensor("x", xd, xs, io)
+    # backward always reads an fp32 scale and writes fp32 dscale/dbias (accurate dW/dB);
+    # the forward reads the scale in its memory dtype.
+    scale_dtype = f32 if (spec.phase == "bwd" and spec.op != "ada_layer_norm") else dt(spec.scale_dtype)
+    scale = tensor("scale", pd, ps, scale_dtype)
+    hs = _host_scalar_shape(spec)
+    hs_stride = [1] * len(hs)
+    if spec.scale_cast:
+        # fp32 master weights: cast inside the graph so the fast engines (which want the
+        # scale in the activation dtype) serve it with no extra kernel launch.
+        scale = g.identity(input=scale, name="scale_cast")
+        scale.set_data_type(io)
+    if spec.dit:
+        one = tensor("one", hs, hs_stride, f32, is_pass_by_value=True)
+        scale = g.add(a=scale, b=one, name="one_plus_scale")
+        scale.set_data_type(f32)
+
+    if spec.phase == "bwd":
+        tensor("dy", xd, _packed(xd), io)
+        if spec.op != "rms_norm":
+            tensor("mean", sd, ss, f32)
+        tensor("rstd", sd, ss, f32)
+        grad_dtype = dt(spec.scale_dtype) if spec.op == "ada_layer_norm" else f32
+        if spec.op == "rms_norm":
+            dx, dscale, _ = g.rmsnorm_backward(name="norm_bwd", grad=t["dy"], input=t["x"], scale=scale,
+                                               inv_variance=t["rstd"], has_dbias=False)
+            outs = (("dx", dx, io), ("dscale", dscale, grad_dtype))
+        else:
+            op = g.layernorm_backward if spec.op == "layer_norm" else g.adalayernorm_backward
+            dx, dscale, dbias = op(name="norm_bwd", grad=t["dy"], input=t["x"], scale=scale, mean=t["mean"],
+                                   inv_variance=t["rstd"])
+            outs = (("dx", dx, io), ("dscale", dscale, grad_dtype), ("dbias", dbias, grad_dtype))
+    else:
+        bias = None
+        if spec.op != "rms_norm":
+            bias = tensor("bias", pd, ps, dt(spec.scale_dtype))
+            if spec.scale_cast:
+                bias = g.identity(input=bias, name="bias_cast")
+                bias.set_data_type(io)
+        eps = tensor("eps", hs, hs_stride, f32, is_pass_by_value=True)
+        phase = cudnn.norm_forward_phase.TRAINING if spec.phase == "train" else cudnn.norm_forward_phase.INFERENCE
+        if spec.op == "rms_norm":
+            y, rstd = g.rmsnorm(name="norm", norm_forward_phase=phase, input=t["x"], scale=scale, epsilon=eps)
+            mean = None
+        else:
+            op = g.layernorm if spec.op == "layer_norm" else g.adalayernorm
+            y, mean, rstd = op(name="norm", norm_forward_phase=phase, input=t["x"], scale=scale, bias=bias, epsilon=eps)
+        outs = [("y", y, io)]
+        if spec.phase == "train":
+            if mean is not None:
+                outs.append(("mean", mean, f32))
+            outs.append(("rstd", rstd, f32))
+    for role, node_out, dtype in outs:
+        output(role, node_out, dtype)
+    return g, tuple(UIDS[r] for r in roles(spec))
+
+
+def _packed(dims: list[int]) -> list[int]:
+    """Row-major strides of ``dims``."""
+    strides, acc = [], 1
+    for d in reversed(dims):
+        strides.append(acc)
+        acc *= d
+    return list(reversed(strides))
+
+
+def host_scalar(value: float, spec: NormSpec, _cache: dict = {}) -> torch.Tensor:  # noqa: B006 - deliberate memo
+    """A CPU fp32 tensor holding ``value`` for a pass-by-value graph input (memoised)."""
+    shape = tuple(_host_scalar_shape(spec))
+    key = (float(value), shape)
+    tensor = _cache.get(key)
+    if tensor is None:
+        if len(_cache) > 256:
+            _cache.clear()
+        tensor = _cache[key] = torch.full(shape, float(value), dtype=torch.float32)
+    return tensor
+
+
+@dataclass
+class Plan:
+    """A built, runnable cuDNN graph for one :class:`NormSpec`."""
+
+    spec: NormSpec
+    graph: object
+    uids: tuple[int, ...]
+    workspace_size: int
+    plan_name: str
+    build_seconds: float
+    candidates_timed: int = 0
+    timings_ms: dict = field(default_factory=dict)
+    source: str = "built"  # "built" | "store" (loaded from the on-disk plan store)
+
+    def run(self, *buffers: torch.Tensor) -> None:
+        """Execute on the current stream. ``buffers`` follow :func:`roles`."""
+        device_index = self.spec.device_index
+        workspace = (torch.empty(self.workspace_size, dtype=torch.uint8, device=f"cuda:{device_index}")
+                     if self.workspace_size else None)
+        self.graph.execute(buffers, workspace, handle=_runtime.handle(device_index), tensor_uids=self.uids)
+
+
+def _heuristics():
+    cudnn = _runtime.cudnn_module()
+    return [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]
+
+
+def build_plan(spec: NormSpec) -> Plan:
+    """Validate and finalise the graph of ``spec`` on its device.
+
+    Raises the frontend's ``cudnnGraphNotSupportedError`` when no engine accepts the graph;
+    callers treat that as "cuDNN declines" and take the PyTorch path.
+    """
+    cudnn = _runtime.cudnn_module()
+    start = time.perf_counter()
+    with torch.cuda.device(spec.device_index):
+        h = _runtime.handle(spec.device_index)
+        g, uids = build_ir(spec, handle=h)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans(_heuristics())
+        g.check_support()
+        timings: dict = {}
+        if spec.autotune and g.get_execution_plan_count() > 1:
+            g.build_plans(cudnn.build_plan_policy.ALL)
+            timings = _time_plans(g, spec)
+            best = min(timings, key=timings.get)
+            g.build_plan_at_index(best)
+        else:
+            g.build_plans()
+        workspace = int(g.get_workspace_size())
+        name = _selected_plan_name(g)
+    return Plan(spec, g, uids, workspace, name, time.perf_counter() - start,
+                candidates_timed=len(timings), timings_ms=timings)
+
+
+def _selected_plan_name(g) -> str:
+    index = getattr(g, "_plan_index", 0) or 0
+    try:
+        return str(g.get_plan_name_at_index(index))
+    except Exception:  # a deserialized graph has no ranked list to name
+        return "deserialized"
+
+
+def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
+    """Plausible random buffers for ``spec`` (autotuning, warmup, benchmarks)."""
+    device = f"cuda:{spec.device_index}"
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for role, (shape, dtype) in buffer_shapes(spec).items():
+        if role in ("eps", "one"):
+            out.append(host_scalar(eps if role == "eps" else 1.0, spec))
+        elif role == "rstd":
+            out.append(torch.rand(shape, device=device, generator=gen).add_(0.5))
+        else:
+            out.append(torch.randn(shape, device=device, generator=gen).to(dtype))
+    return out
+
+
+def _time_plans(g, spec: NormSpec, reps: int = 20) -> dict[int, float]:
+    """Median milliseconds of each buildable plan on dummy data."""
+    buffers = dummy_buffers(spec)
+    uid_map = dict(zip((UIDS[r] for r in roles(spec)), buffers))
+    h = _runtime.handle(spec.device_index)
+    device = f"cuda:{spec.device_index}"
+    timings = {}
+    for index in range(g.get_execution_plan_count()):
+        try:
+            ws_size = int(g.get_workspace_size_plan_at_index(index))
+            ws = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=device)
+            g.execute_plan_at_index(uid_map, ws, index, handle=h)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for begin, end in events:
+                begin.record()
+                g.execute_plan_at_index(uid_map, ws, index, handle=h)
+                end.record()
+            torch.cuda.synchronize(device)
+            samples = sorted(b.elapsed_time(e) for b, e in events)
+            timings[index] = samples[len(samples) // 2]
+        except Exception:  # a plan that does not build or run is simply not a candidate
+            continue
+    if not timings:
+        raise RuntimeError(f"cudnorm: autotuning {spec.slug()}: no plan ran")
+    return timings

@@ -1,0 +1,61 @@
+"""What serves each op here, and the cache counters: the answers behind ``cudnorm info``."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import _cache, _runtime
+from ._cache import CacheInfo
+
+OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
+
+
+def cache_info() -> CacheInfo:
+    """Counters of the in-memory plan cache: hits, misses, builds, build seconds, plans
+    loaded from the on-disk store, specs cuDNN declined, evictions, size and capacity."""
+    return _cache.plans.info()
+
+
+def clear_cache() -> None:
+    """Drop every cached plan and reset the counters (the on-disk store is untouched)."""
+    _cache.plans.clear()
+
+
+def serving_path(op: str, input: torch.Tensor | None = None) -> str:
+    """``"cudnn"`` or ``"torch (<reason>)"``: which kernels serve ``op`` for ``input``.
+
+    With ``input=None`` the answer is for a bf16 tensor on the current CUDA device (or the
+    CPU when there is none). A configuration cuDNN declines at build time also falls back;
+    ``cache_info().declined`` counts those.
+    """
+    if op not in OPS:
+        raise ValueError(f"cudnorm.serving_path: argument 'op' must be one of {OPS}, got {op!r}")
+    if input is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        input = torch.empty(0, dtype=torch.bfloat16, device=device)
+    reason = _runtime.route(input)
+    return "cudnn" if reason is None else f"torch ({reason})"
+
+
+def info() -> dict:
+    """Versions, device, cuDNN availability and the serving path of every op."""
+    status = _runtime.cudnn_status()
+    from . import __version__  # noqa: PLC0415 - avoid a cycle at import time
+
+    fe = _runtime.cudnn_module()
+    out = {
+        "cudnorm": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn_frontend": getattr(fe, "__version__", None),
+        "cudnn_backend": status.backend_version,
+        "cudnn_available": status.available,
+        "cudnn_reason": status.reason,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else None,
+    }
+    out["paths"] = {op: serving_path(op) for op in OPS}
+    return out

@@ -1,0 +1,154 @@
+"""The one place that knows whether cuDNN can serve a call, and owns the cuDNN handles.
+
+* ``cudnn_status()`` answers, once per process, whether the frontend imports and which
+  backend it drives; ``route(tensor)`` answers per call whether *this* tensor can go to
+  cuDNN (a CUDA tensor on a GPU cuDNN's norm engines support, nothing disabled).
+* ``handle(device_index)`` returns the cuDNN handle of the calling thread for that device,
+  bound to torch's *current* stream, so work orders correctly with the caller's kernels
+  and inside ``torch.cuda.graph`` capture (which runs on a side stream).
+
+Set ``CUDNORM_DISABLE_CUDNN=1`` to force PyTorch's kernels everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+#: Oldest compute capability we send to cuDNN's norm engines. The fused norm engines
+#: are built for Ampere and newer; older GPUs take the PyTorch path.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class CudnnStatus:
+    """Whether the cuDNN frontend can be used in this process, and why not."""
+
+    available: bool
+    reason: str
+    frontend_version: str | None = None
+    backend_version: int | None = None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_module():
+    """The imported ``cudnn`` frontend module, or ``None`` when it does not import.
+
+    torch is imported first (above) so that the frontend binds the cuDNN library torch
+    already loaded rather than a second copy.
+    """
+    try:
+        import cudnn  # noqa: PLC0415 - optional dependency, imported lazily on purpose
+    except Exception:  # any import-time failure means "no cuDNN here"
+        return None
+    return cudnn
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_status() -> CudnnStatus:
+    if not torch.cuda.is_available():
+        return CudnnStatus(False, "no CUDA device")
+    cudnn = cudnn_module()
+    if cudnn is None:
+        return CudnnStatus(False, "nvidia-cudnn-frontend is not importable")
+    try:
+        backend = int(cudnn.backend_version())
+    except Exception as exc:  # the library torch ships could not be found/loaded
+        return CudnnStatus(False, f"cuDNN backend not loadable: {exc}", cudnn.__version__)
+    return CudnnStatus(True, "ok", cudnn.__version__, backend)
+
+
+def cudnn_status() -> CudnnStatus:
+    """Process-wide availability of cuDNN (honours ``CUDNORM_DISABLE_CUDNN``)."""
+    if _env_flag("CUDNORM_DISABLE_CUDNN"):
+        return CudnnStatus(False, "disabled by CUDNORM_DISABLE_CUDNN")
+    return _probe_status()
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= MIN_COMPUTE_CAPABILITY
+
+
+def route(tensor: torch.Tensor) -> str | None:
+    """``None`` when cuDNN can serve an op on ``tensor``, else the reason it cannot."""
+    if tensor.device.type != "cuda":
+        return f"{tensor.device.type} tensor"
+    status = cudnn_status()
+    if not status.available:
+        return status.reason
+    if not _arch_ok(tensor.device.index):
+        cap = torch.cuda.get_device_capability(tensor.device.index)
+        return f"compute capability {cap[0]}.{cap[1]} is below {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
+    return None
+
+
+def torch_to_cudnn_dtype(dtype: torch.dtype):
+    """Map a torch dtype to the frontend's ``cudnn.data_type``."""
+    cudnn = cudnn_module()
+    table = {
+        torch.float16: cudnn.data_type.HALF,
+        torch.bfloat16: cudnn.data_type.BFLOAT16,
+        torch.float32: cudnn.data_type.FLOAT,
+    }
+    return table[dtype]
+
+
+class _Handles(threading.local):
+    """Per-thread ``{device_index: [handle, stream the handle is bound to]}``."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[int, list] = {}
+
+
+_handles = _Handles()
+# torch's private raw getter costs ~0.1 us; torch.cuda.current_stream() builds an object (~3 us).
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_ptr(device_index: int) -> int:
+    if _raw_current_stream is not None:
+        return int(_raw_current_stream(device_index))
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def handle(device_index: int):
+    """This thread's cuDNN handle for ``device_index``, bound to torch's current stream.
+
+    The stream is re-bound only when it changed since the last call, which keeps the
+    steady-state cost to one dictionary lookup and one integer comparison.
+    """
+    cudnn = cudnn_module()
+    stream = current_stream_ptr(device_index)
+    entry = _handles.by_device.get(device_index)
+    if entry is None:
+        with torch.cuda.device(device_index):
+            entry = [cudnn.create_handle(), None]
+        _handles.by_device[device_index] = entry
+    if entry[1] != stream:
+        cudnn.set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry[0]
+
+
+def device_fingerprint(device_index: int) -> dict:
+    """Everything that makes a built plan valid on a device (used by the plan store)."""
+    status = cudnn_status()
+    props = torch.cuda.get_device_properties(device_index)
+    return {
+        "gpu": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "cudnn_backend": status.backend_version,
+        "cudnn_frontend": status.frontend_version,
+        "torch_cuda": torch.version.cuda,
+    }

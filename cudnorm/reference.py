@@ -1,0 +1,64 @@
+"""Reference implementations in high precision, used by the tests, the benchmark and the docs.
+
+Each function upcasts its inputs (fp64 by default), applies the textbook formula and returns
+the result in that precision, so it can serve as ground truth for fp16/bf16/fp32 outputs.
+Gradients come from autograd through these same formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, dtype=torch.float64):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim of ``x``."""
+    x = x.to(dtype)
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).square().mean(-1, keepdim=True)
+    y = (x - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(dtype)
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return y
+
+
+def rms_norm(x, weight=None, eps=1e-6, dtype=torch.float64):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim of ``x``."""
+    x = x.to(dtype)
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.to(dtype)
+
+
+def ada_layer_norm(x, scale, shift, eps=1e-6, dit=True, dtype=torch.float64):
+    """AdaLN: ``layer_norm(x) * (1 + scale) + shift`` (DiT's ``modulate``) or, with
+    ``dit=False``, ``layer_norm(x) * scale + shift``. ``x: [B, *, D]``; scale/shift
+    ``[B, D]`` or ``[B, 1, D]`` broadcast over the tokens."""
+    b, d = x.shape[0], x.shape[-1]
+    view = (b,) + (1,) * (x.dim() - 2) + (d,)
+    scale = scale.to(dtype).reshape(view)
+    shift = shift.to(dtype).reshape(view)
+    gain = 1 + scale if dit else scale
+    return layer_norm(x, eps=eps, dtype=dtype) * gain + shift
+
+
+def grads(fn, inputs, grad_out, dtype=torch.float64):
+    """Output and gradients of ``fn`` w.r.t. every non-None tensor of ``inputs``, in ``dtype``.
+
+    ``fn`` receives upcast leaf copies of ``inputs`` (in order, ``None`` passed through).
+    """
+    leaves = [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    wanted = [t for t in leaves if t is not None]
+    got = torch.autograd.grad(out, wanted, grad_out.to(dtype))
+    it = iter(got)
+    return out.detach(), [None if t is None else next(it) for t in leaves]
+
+
+def rel_error(out, ref) -> float:
+    """``||out - ref|| / ||ref||`` in fp64 (``inf`` if ``out`` has a NaN or Inf)."""
+    out = out.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()

@@ -1,0 +1,140 @@
+"""RMSNorm on cuDNN graphs: custom ops (cuDNN or PyTorch fallback), autograd, functional.
+
+Math, per row ``x`` of ``N`` elements::
+
+    rstd = 1 / sqrt(sum(x^2) / N + eps),  y = x * rstd * weight
+
+The ops work on ``[rows, N]`` views; :func:`rms_norm` flattens the leading dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _checks, _dispatch
+from ._graphs import host_scalar
+from ._spec import NormSpec
+
+_OP = "rms_norm"
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("cudnorm::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward on ``x: [M, N]``; ``weight``: ``[N]`` fp32 or x's dtype, or None.
+
+    Returns ``(y [M, N] x.dtype, rstd [M] fp32)``; ``rstd`` is empty with ``training=False``.
+    """
+    m, n = x.shape
+    if _dispatch.route(x) is None:
+        x = _dispatch.cudnn_rows(x)
+        scale, _, scale_dtype, cast = _dispatch.forward_params(x, weight, None, has_bias=False)
+        phase = "train" if training else "infer"
+        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x_row_stride=x.stride(0),
+                        scale_cast=cast, autotune=_dispatch.autotune_wanted(_OP, phase, m, n))
+        plan = _dispatch.get_plan(spec)
+        if plan is not None:
+            y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            if training:
+                rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+                plan.run(x, scale, host_scalar(eps, spec), y, rstd)
+                return y, rstd
+            plan.run(x, scale, host_scalar(eps, spec), y)
+            return y, x.new_empty(_EMPTY, dtype=torch.float32)
+    return _torch_forward(x, weight, eps, training)
+
+
+def _torch_forward(x, weight, eps, training):
+    """PyTorch path, computed in fp32 and cast back to x's dtype."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(dim=1) + eps)
+    y = xf * rstd.unsqueeze(1)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype), rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, training):
+    m, n = x.shape
+    return x.new_empty((m, n)), x.new_empty((m,) if training else _EMPTY, dtype=torch.float32)
+
+
+@torch.library.custom_op("cudnorm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32)``."""
+    m, n = x.shape
+    if _dispatch.route(x) is None:
+        x = _dispatch.cudnn_rows(x)
+        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x_row_stride=x.stride(0),
+                        autotune=_dispatch.autotune_wanted(_OP, "bwd", m, n))
+        plan = _dispatch.get_plan(spec)
+        if plan is not None:
+            scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
+            dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            dw = torch.empty(n, dtype=torch.float32, device=x.device)
+            plan.run(x, scale, dy.contiguous(), rstd, dx, dw)
+            return dx, dw
+    return _torch_backward(dy, x, weight, rstd)
+
+
+def _torch_backward(dy, x, weight, rstd):
+    """``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = dy * weight``; ``dw = sum(dy * xhat)``."""
+    dyf = dy.float()
+    xhat = x.float() * rstd.unsqueeze(1)
+    g = dyf if weight is None else dyf * weight.float()
+    dx = rstd.unsqueeze(1) * (g - xhat * (g * xhat).mean(dim=1, keepdim=True))
+    return dx.to(x.dtype), (dyf * xhat).sum(0)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), x.new_empty((x.shape[1],), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, training = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    if rstd.numel() == 0:
+        raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
+                           "(the forward ran without grad mode, so no statistics were saved)")
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+    return dx, None if weight is None else dw.to(weight.dtype), None, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """Root-mean-square normalisation over the trailing dims, like
+    :func:`torch.nn.functional.rms_norm`.
+
+    Args:
+        input: ``[*, *normalized_shape]``, float16/bfloat16/float32, any strides.
+        normalized_shape: the trailing dims to normalise over.
+        weight: ``normalized_shape``-shaped, float32 or ``input.dtype``, or ``None``.
+        eps: added to the mean square; ``None`` means ``torch.finfo(input.dtype).eps``.
+
+    Returns:
+        ``input``-shaped tensor in ``input.dtype`` (training graph when grad is needed,
+        inference graph otherwise; fp32 weights are rounded to ``input.dtype`` in the
+        forward only, as in :func:`cudnorm.layer_norm`).
+    """
+    _checks.check_input(_OP, input)
+    shape, n = _checks.normalized_size(_OP, input, normalized_shape)
+    weight = _checks.check_param(_OP, "weight", weight, input, shape)
+    eps = torch.finfo(input.dtype).eps if eps is None else _checks.check_eps(_OP, eps)
+    training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
+    y, _ = rms_norm_fwd(input.reshape(-1, n), None if weight is None else weight.reshape(n), eps, training)
+    return y.view(input.shape)
