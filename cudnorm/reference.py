@@ -62,3 +62,45 @@ def rel_error(out, ref) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+#: Per-dtype floor of the relative-error bound: where PyTorch's own error is tiny (fp32, or a
+#: lucky draw) the bound is this floor rather than 2x a near-zero number. Values are a few
+#: units of the dtype's rounding of a unit-norm result (bf16 eps 7.8e-3, fp16 9.8e-4).
+ERROR_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def error_bound(torch_error: float, dtype: torch.dtype, factor: float = 2.0) -> float:
+    """The largest relative error cudnorm may have: ``factor`` x PyTorch's own error in the
+    same dtype, but never below :data:`ERROR_FLOOR`."""
+    return max(factor * torch_error, ERROR_FLOOR[dtype])
+
+
+def accuracy_report(candidate, baseline, ref, inputs, grad_out, names, dtype):
+    """Compare ``candidate`` (cudnorm) and ``baseline`` (PyTorch in the same dtype) with the
+    fp64 ``ref`` on the output and on the gradient of every non-None input.
+
+    ``inputs`` are the tensors passed positionally to all three callables; ``names`` labels
+    them (output first: ``["y", "dx", "dweight", ...]``). Returns one dict per compared
+    quantity: ``name, error, torch_error, bound, ok``.
+    """
+    ref_out, ref_grads = grads(ref, inputs, grad_out)
+    rows = []
+    results = [_run_with_grads(fn, inputs, grad_out) for fn in (candidate, baseline)]
+    quantities = [(names[0], ref_out, results[0][0], results[1][0])]
+    for i, r in enumerate(ref_grads):
+        if r is not None:
+            quantities.append((names[i + 1], r, results[0][1][i], results[1][1][i]))
+    for name, r, mine, theirs in quantities:
+        err, terr = rel_error(mine, r), rel_error(theirs, r)
+        bound = error_bound(terr, dtype)
+        rows.append({"name": name, "error": err, "torch_error": terr, "bound": bound, "ok": err <= bound})
+    return rows
+
+
+def _run_with_grads(fn, inputs, grad_out):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(out, wanted, grad_out))
+    return out.detach(), [None if (t is None or not t.requires_grad) else next(got) for t in leaves]

@@ -1,0 +1,89 @@
+"""``cudnorm check``: the main job of a fresh machine.
+
+Prints ``cudnorm info``, then runs every op forward and backward in every dtype on this
+machine's device (the GPU if there is one, else the CPU fallback) and compares output and
+gradients with the fp64 reference under the 2x-PyTorch-error rule. Exits non-zero on any
+failure, so it doubles as an installation test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as ref
+from ._progress import progress
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cases(device: str):
+    """``(label, dtype, candidate, baseline, reference, inputs, names)`` for every op."""
+    import cudnorm  # noqa: PLC0415 - the package is fully imported by now
+
+    shape, n = (4, 250, 1024), 1024
+    for dtype in DTYPES:
+        for wdtype in dict.fromkeys((torch.float32, dtype)):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(shape, generator=g).to(device, dtype)
+            w = (1 + 0.1 * torch.randn(n, generator=g)).to(device, wdtype)
+            b = (0.1 * torch.randn(n, generator=g)).to(device, wdtype)
+            tag = f"{str(dtype)[6:]} x, {str(wdtype)[6:]} w"
+            yield (f"layer_norm ({tag})", dtype,
+                   lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5),
+                   lambda x, w, b: F.layer_norm(x, (n,), w.to(x.dtype), b.to(x.dtype), 1e-5),
+                   lambda x, w, b: ref.layer_norm(x, w, b, 1e-5), (x, w, b), ("y", "dx", "dweight", "dbias"))
+            yield (f"rms_norm ({tag})", dtype,
+                   lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-6),
+                   lambda x, w: F.rms_norm(x, (n,), w.to(x.dtype), 1e-6),
+                   lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), ("y", "dx", "dweight"))
+    yield from _extra_cases(device)
+
+
+def _extra_cases(device: str):
+    """Cases contributed by optional op families (AdaLN) once they are importable."""
+    try:
+        from .ada_layer_norm import check_cases  # noqa: PLC0415
+    except ImportError:
+        return
+    yield from check_cases(device, DTYPES)
+
+
+def check(device: str | None = None) -> list[dict]:
+    """Run every case; returns one row per compared quantity (see ``reference.accuracy_report``)."""
+    import cudnorm  # noqa: PLC0415
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cases = list(_cases(device))
+    rows = []
+    for label, dtype, candidate, baseline, reference, inputs, names in progress(cases, len(cases), "checking"):
+        g = torch.Generator(device="cpu").manual_seed(1)
+        dy = torch.randn(inputs[0].shape, generator=g).to(device, dtype)
+        start = time.perf_counter()
+        path = cudnorm.serving_path(label.split(" ")[0], inputs[0])
+        for r in ref.accuracy_report(candidate, baseline, reference, inputs, dy, names, dtype):
+            rows.append({"case": label, "path": path, **r, "seconds": time.perf_counter() - start})
+    return rows
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+
+
+def run(args) -> int:
+    from ._info import info  # noqa: PLC0415
+    from .cli import print_json_or_table  # noqa: PLC0415
+
+    print_json_or_table(info(), False)
+    print()
+    rows = check(args.device)
+    width = max(len(r["case"]) for r in rows)
+    print(f"{'case':<{width}}  {'qty':<8} {'path':<10} {'rel.err':>9} {'torch':>9} {'bound':>9}  result")
+    for r in rows:
+        print(f"{r['case']:<{width}}  {r['name']:<8} {r['path'].split(' ')[0]:<10} {r['error']:9.2e} "
+              f"{r['torch_error']:9.2e} {r['bound']:9.2e}  {'ok' if r['ok'] else 'FAIL'}")
+    failed = [r for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
