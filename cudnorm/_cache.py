@@ -69,6 +69,8 @@ class PlanCache:
                 value = self._entries.get(spec)
                 if value is None:
                     self._info.misses += 1
+                else:  # another thread built it while this one waited
+                    self._info.hits += 1
             if value is None:
                 value = build(spec)
                 self.put(spec, value)

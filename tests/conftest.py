@@ -1,0 +1,30 @@
+"""Shared test setup: the ``gpu`` marker skips without CUDA; seeds are fixed per test."""
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_cache():
+    """An empty plan cache for the test, restored to empty afterwards."""
+    import cudnorm
+
+    cudnorm.clear_cache()
+    yield
+    cudnorm.clear_cache()

@@ -1,0 +1,130 @@
+"""The plan cache: keys, LRU order and bound, counters, declines, thread safety."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _cache, _dispatch
+from cudnorm._spec import NormSpec
+
+
+def _spec(rows=8, **kw):
+    base = dict(op="layer_norm", phase="train", rows=rows, cols=64, x_dtype=torch.bfloat16,
+                scale_dtype=torch.bfloat16, device_index=0)
+    return NormSpec(**{**base, **kw})
+
+
+def test_key_is_value_based_and_eps_free():
+    assert _spec() == _spec() and hash(_spec()) == hash(_spec())
+    distinct = {_spec(), _spec(rows=9), _spec(phase="infer"), _spec(x_dtype=torch.float16),
+                _spec(scale_dtype=torch.float32, scale_cast=True), _spec(device_index=1), _spec(x_row_stride=128),
+                _spec(autotune=True), _spec(op="rms_norm")}
+    assert len(distinct) == 9
+    assert "eps" not in {f for f in NormSpec.__dataclass_fields__}
+
+
+def test_lru_evicts_least_recently_used_and_counts():
+    cache = _cache.PlanCache(capacity=2)
+    built = []
+    build = lambda spec: built.append(spec) or f"plan{spec.rows}"  # noqa: E731
+    assert cache.get_or_build(_spec(1), build) == "plan1"
+    assert cache.get_or_build(_spec(2), build) == "plan2"
+    assert cache.get_or_build(_spec(1), build) == "plan1"  # hit: 1 becomes most recent
+    cache.get_or_build(_spec(3), build)  # evicts 2
+    assert [s.rows for s in cache.specs()] == [1, 3]
+    info = cache.info()
+    assert (info.hits, info.misses, info.evictions, info.size) == (1, 3, 1, 2)
+    assert [s.rows for s in built] == [1, 2, 3]
+    cache.resize(1)
+    assert [s.rows for s in cache.specs()] == [3]
+    with pytest.raises(ValueError, match="capacity"):
+        cache.resize(0)
+
+
+def test_concurrent_misses_build_once():
+    cache = _cache.PlanCache(capacity=8)
+    calls = []
+
+    def slow_build(spec):
+        calls.append(spec)
+        time.sleep(0.05)
+        return "plan"
+
+    threads = [threading.Thread(target=cache.get_or_build, args=(_spec(), slow_build)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert cache.info().hits + cache.info().misses == 8
+
+
+def test_declined_spec_is_remembered_and_counted(monkeypatch, fresh_cache):
+    attempts = []
+
+    def refuse(spec):
+        attempts.append(spec)
+        raise RuntimeError("no engine")
+
+    monkeypatch.setattr(_dispatch._graphs, "build_plan", refuse)
+    with pytest.warns(RuntimeWarning, match="cuDNN declined"):
+        assert _dispatch.get_plan(_spec()) is None
+    assert _dispatch.get_plan(_spec()) is None
+    assert len(attempts) == 1
+    info = cudnorm.cache_info()
+    assert info.declined == 1 and info.hits == 1
+
+
+def test_builds_and_build_seconds_are_counted(monkeypatch, fresh_cache):
+    class FakePlan:
+        build_seconds = 0.25
+
+    monkeypatch.setattr(_dispatch._graphs, "build_plan", lambda spec: FakePlan())
+    _dispatch.get_plan(_spec(1))
+    _dispatch.get_plan(_spec(2))
+    _dispatch.get_plan(_spec(1))
+    info = cudnorm.cache_info()
+    assert (info.builds, info.misses, info.hits) == (2, 2, 1)
+    assert info.build_seconds == pytest.approx(0.5)
+    cudnorm.clear_cache()
+    assert cudnorm.cache_info().size == 0 and cudnorm.cache_info().builds == 0
+
+
+def test_policies_from_environment(monkeypatch):
+    monkeypatch.setenv("CUDNORM_AUTOTUNE", "auto")
+    assert _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
+    assert not _dispatch.autotune_wanted("layer_norm", "train", 64, 4096)
+    assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)
+    monkeypatch.setenv("CUDNORM_AUTOTUNE", "1")
+    assert _dispatch.autotune_wanted("layer_norm", "bwd", 1, 1)
+    monkeypatch.setenv("CUDNORM_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE"):
+        _dispatch.autotune_wanted("layer_norm", "train", 1, 1)
+    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "bogus")
+    with pytest.raises(ValueError, match="CUDNORM_FP32_WEIGHT_FWD"):
+        _dispatch.fp32_weight_mode()
+
+
+def test_forward_params_rounds_fp32_weights_for_half_inputs(monkeypatch):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    w, b = torch.randn(8), torch.randn(8)
+    scale, shift, dtype, cast = _dispatch.forward_params(x, w, b, has_bias=True)
+    assert dtype == torch.bfloat16 and not cast and scale.dtype == shift.dtype == torch.bfloat16
+    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "graph")
+    scale, shift, dtype, cast = _dispatch.forward_params(x, w, None, has_bias=True)
+    assert dtype == torch.float32 and cast and scale.data_ptr() == w.data_ptr(), "no copy"
+    assert torch.equal(shift, torch.zeros(8)), "an absent bias is a zeros vector"
+    scale, _, _, _ = _dispatch.forward_params(x, None, None, has_bias=False)
+    assert torch.equal(scale, torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_cudnn_rows_copies_only_when_needed():
+    x = torch.randn(16, 64)
+    assert _dispatch.cudnn_rows(x) is x
+    padded = torch.randn(16, 128)[:, :64]
+    assert _dispatch.cudnn_rows(padded) is padded, "16-byte aligned padded rows need no copy"
+    transposed = torch.randn(64, 16).t()
+    assert _dispatch.cudnn_rows(transposed).is_contiguous()

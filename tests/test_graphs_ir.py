@@ -1,0 +1,99 @@
+"""Graph IR of every builder, inspected without a GPU (cuDNN-frontend builds IR on CPU)."""
+
+import pytest
+import torch
+
+from cudnorm import _graphs
+from cudnorm._spec import NormSpec
+
+cudnn = pytest.importorskip("cudnn")
+
+NODE = {("layer_norm", "bwd"): "LAYERNORM_BWD", ("rms_norm", "bwd"): "RMSNORM_BWD",
+        ("ada_layer_norm", "bwd"): "ADALAYERNORM_BWD", "layer_norm": "LAYERNORM", "rms_norm": "RMSNORM",
+        "ada_layer_norm": "ADALAYERNORM"}
+CUDNN_DTYPE = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
+
+
+def _io(graph):
+    info = graph.inspect()
+    return info, {name: t for name, t in info["tensors"].items() if not t["is_virtual"]}
+
+
+def _spec(op, phase, dtype=torch.bfloat16, scale_dtype=None, **kw):
+    batch = 4 if op == "ada_layer_norm" else 1
+    return NormSpec(op, phase, 64, 384, dtype, scale_dtype or dtype, 0, batch=batch, **kw)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "ada_layer_norm"])
+@pytest.mark.parametrize("phase", ["train", "infer", "bwd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_builder_ir(op, phase, dtype):
+    spec = _spec(op, phase, dtype)
+    graph, uids = _graphs.build_ir(spec)
+    info, io = _io(graph)
+    node = NODE[(op, "bwd")] if phase == "bwd" else NODE[op]
+    norm_nodes = [n for n in info["nodes"] if n["type"] != "POINTWISE"]
+    assert [n["type"] for n in norm_nodes] == [node]
+    if phase != "bwd":
+        assert str(norm_nodes[0]["params"]["norm_forward_phase"]).endswith("TRAINING" if phase == "train" else "INFERENCE")
+    by_uid = {t["uid"]: t for t in io.values()}
+    assert set(by_uid) == set(uids), "every non-virtual tensor is bound by the ordered execute"
+    assert uids == tuple(_graphs.UIDS[r] for r in _graphs.roles(spec))
+    shapes = _graphs.buffer_shapes(spec)
+    for role in _graphs.roles(spec):
+        t = by_uid[_graphs.UIDS[role]]
+        assert str(t["dtype"]).endswith(CUDNN_DTYPE[torch.float32 if role in ("eps", "one", "mean", "rstd") else
+                                               _expected_dtype(spec, role)]), role
+        numel = 1
+        for d in t["dim"]:
+            numel *= d
+        expected = 1
+        for d in shapes[role][0]:
+            expected *= d
+        assert numel == expected, (role, t["dim"], shapes[role][0])
+    if phase != "bwd":
+        assert by_uid[_graphs.UIDS["eps"]] and "eps" in _graphs.roles(spec)
+    assert ("mean" in _graphs.roles(spec)) == (phase in ("train", "bwd") and op != "rms_norm")
+
+
+def _expected_dtype(spec, role):
+    if role in ("x", "y", "dx", "dy"):
+        return spec.x_dtype
+    if spec.phase == "bwd" and spec.op != "ada_layer_norm":
+        return torch.float32  # LN/RMS backward reads an fp32 scale and writes fp32 dW/dB
+    return spec.scale_dtype
+
+
+def test_scale_cast_inserts_identity_pointwise():
+    spec = _spec("layer_norm", "train", torch.bfloat16, torch.float32, scale_cast=True)
+    info, io = _io(_graphs.build_ir(spec)[0])
+    casts = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
+    assert len(casts) == 2 and all(n["params"]["mode"] == "identity" for n in casts)
+    assert str(io["scale"]["dtype"]).endswith("FLOAT") and str(io["x"]["dtype"]).endswith("BFLOAT16")
+
+
+def test_dit_convention_adds_one_in_graph():
+    spec = _spec("ada_layer_norm", "train", dit=True)
+    graph, uids = _graphs.build_ir(spec)
+    info, io = _io(graph)
+    adds = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
+    assert [n["params"]["mode"] for n in adds] == ["add"]
+    assert io["one"]["uid"] == _graphs.UIDS["one"] and uids[-1] == _graphs.UIDS["one"]
+
+
+def test_padded_rows_layout():
+    spec = NormSpec("rms_norm", "train", 8, 100, torch.bfloat16, torch.bfloat16, 0, x_row_stride=128)
+    _, io = _io(_graphs.build_ir(spec)[0])
+    assert io["x"]["stride"][0] == 128
+    y = next(t for n, t in io.items() if t["uid"] == _graphs.UIDS["y"])
+    assert y["stride"][0] == 100, "outputs stay packed"
+
+
+def test_spec_json_round_trip_and_slug():
+    spec = NormSpec("ada_layer_norm", "bwd", 1024, 768, torch.float16, torch.float32, 1, batch=4, dit=True)
+    assert NormSpec.from_json(spec.to_json()) == spec
+    assert spec.slug() == "ada_layer_norm-bwd-1024x768-float16-sfloat32-cuda1-b4-dit"
+    with pytest.raises(ValueError, match="unknown NormSpec field"):
+        NormSpec.from_json({**spec.to_json(), "bogus": 1})
+    with pytest.raises(ValueError, match="unknown op"):
+        NormSpec("group_norm", "train", 1, 1, torch.float32, torch.float32, 0)

@@ -1,0 +1,166 @@
+"""LayerNorm/RMSNorm on the PyTorch fallback path (CPU): numerics, autograd, modules,
+torch.compile, opcheck and every argument error."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnorm
+from cudnorm import reference as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _ln(x, w, b):
+    return cudnorm.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def _ln_torch(x, w, b):
+    cast = lambda p: None if p is None else p.to(x.dtype)  # noqa: E731
+    return F.layer_norm(x, (x.shape[-1],), cast(w), cast(b), 1e-5)
+
+
+def _rms(x, w):
+    return cudnorm.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def _rms_torch(x, w):
+    return F.rms_norm(x, (x.shape[-1],), None if w is None else w.to(x.dtype), 1e-6)
+
+
+def _params(n, wdtype, affine):
+    if not affine:
+        return None, None
+    return (1 + 0.1 * torch.randn(n)).to(wdtype), (0.1 * torch.randn(n)).to(wdtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", ["fp32", "same", "none"])
+@pytest.mark.parametrize("shape", [(37, 256), (2, 5, 1000)])
+def test_layer_norm_matches_reference(dtype, wdtype, shape):
+    x = torch.randn(shape).to(dtype)
+    w, b = _params(shape[-1], torch.float32 if wdtype == "fp32" else dtype, wdtype != "none")
+    dy = torch.randn(shape).to(dtype)
+    rows = ref.accuracy_report(_ln, _ln_torch, lambda x, w, b: ref.layer_norm(x, w, b, 1e-5),
+                               (x, w, b), dy, ("y", "dx", "dweight", "dbias"), dtype)
+    assert all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", ["fp32", "same", "none"])
+def test_rms_norm_matches_reference(dtype, wdtype):
+    x = torch.randn(3, 7, 512).to(dtype)
+    w = None if wdtype == "none" else (1 + 0.1 * torch.randn(512)).to(torch.float32 if wdtype == "fp32" else dtype)
+    dy = torch.randn_like(x)
+    rows = ref.accuracy_report(_rms, _rms_torch, lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), dy,
+                               ("y", "dx", "dweight"), dtype)
+    assert all(r["ok"] for r in rows), rows
+
+
+def test_layer_norm_weight_without_bias_and_multi_dim_normalized_shape():
+    x = torch.randn(4, 6, 8, 16)
+    w = torch.randn(8, 16)
+    y = cudnorm.layer_norm(x, (8, 16), w, None)
+    torch.testing.assert_close(y, F.layer_norm(x, (8, 16), w, None))
+
+
+def test_non_contiguous_input_gives_same_result():
+    x = torch.randn(64, 32, dtype=torch.bfloat16).t()  # [32, 64] with stride (1, 32)
+    w = torch.randn(64)
+    torch.testing.assert_close(cudnorm.layer_norm(x, (64,), w), cudnorm.layer_norm(x.contiguous(), (64,), w))
+    torch.testing.assert_close(cudnorm.rms_norm(x, (64,), w), cudnorm.rms_norm(x.contiguous(), (64,), w))
+
+
+def test_rms_norm_default_eps_is_dtype_eps():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(cudnorm.rms_norm(x, (64,)), F.rms_norm(x, (64,)))
+
+
+def test_inference_phase_returns_no_stats_and_training_does():
+    x = torch.randn(8, 64)
+    _, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
+    assert mean.numel() == 0 and rstd.numel() == 0
+    _, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, True)
+    torch.testing.assert_close(mean, x.mean(-1))
+    torch.testing.assert_close(rstd, torch.rsqrt(x.var(-1, correction=0) + 1e-5))
+
+
+def test_modules_are_drop_in_and_state_dict_compatible():
+    for ours, theirs in [(cudnorm.LayerNorm(32), torch.nn.LayerNorm(32)),
+                         (cudnorm.LayerNorm(32, bias=False), torch.nn.LayerNorm(32, bias=False)),
+                         (cudnorm.RMSNorm(32), torch.nn.RMSNorm(32))]:
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.normal_()
+        ours.load_state_dict(theirs.state_dict())
+        assert list(ours.state_dict()) == list(theirs.state_dict())
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(ours(x), theirs(x))
+        theirs.load_state_dict(ours.state_dict())
+
+
+def test_modules_compile_fullgraph_and_train():
+    model = torch.nn.Sequential(cudnorm.LayerNorm(16), torch.nn.Linear(16, 16), cudnorm.RMSNorm(16))
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    compiled(x).square().sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for a, b in zip(eager, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("op, args", [
+    (torch.ops.cudnorm.layer_norm_fwd.default, lambda: (torch.randn(8, 64, requires_grad=True),
+                                                        torch.randn(64, requires_grad=True), torch.randn(64), 1e-5, True)),
+    (torch.ops.cudnorm.layer_norm_fwd.default, lambda: (torch.randn(8, 64), None, None, 1e-5, False)),
+    (torch.ops.cudnorm.rms_norm_fwd.default, lambda: (torch.randn(8, 64, requires_grad=True),
+                                                      torch.randn(64, requires_grad=True), 1e-6, True)),
+    (torch.ops.cudnorm.layer_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), None,
+                                                        torch.randn(8), torch.rand(8))),
+    (torch.ops.cudnorm.rms_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), torch.randn(64),
+                                                      torch.rand(8))),
+])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args())
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: cudnorm.layer_norm([1.0], (1,)), TypeError, "layer_norm: argument 'input'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4, dtype=torch.float64), (4,)), TypeError, "'input' has dtype"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4).int(), (4,)), TypeError, "'input' has dtype"),
+    (lambda: cudnorm.layer_norm(torch.randn(0, 4), (4,)), ValueError, "'input' is empty"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (5,)), ValueError, "'normalized_shape'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), ()), ValueError, "'normalized_shape'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), "4"), TypeError, "'normalized_shape'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), torch.randn(5)), ValueError, "'weight' has shape"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), None, torch.randn(3)), ValueError, "'bias' has shape"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4, dtype=torch.bfloat16), (4,), torch.randn(4, dtype=torch.float16)),
+     TypeError, "'weight' has dtype"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), eps=-1e-5), ValueError, "'eps' must be finite and >= 0"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), eps=float("nan")), ValueError, "'eps'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), eps=float("inf")), ValueError, "'eps'"),
+    (lambda: cudnorm.layer_norm(torch.randn(2, 4), (4,), eps="1e-5"), TypeError, "'eps' must be a float"),
+    (lambda: cudnorm.rms_norm(torch.randn(2, 4), (4,), torch.randn(4, device="meta")), ValueError, "'weight' is on meta"),
+    (lambda: cudnorm.rms_norm(torch.randn(2, 4), (3,)), ValueError, "rms_norm: argument 'normalized_shape'"),
+    (lambda: cudnorm.rms_norm(torch.randn(2, 4), (4,), eps=-1.0), ValueError, "rms_norm: argument 'eps'"),
+    (lambda: cudnorm.serving_path("group_norm"), ValueError, "argument 'op'"),
+])
+def test_errors_name_op_and_argument(call, exc, words):
+    with pytest.raises(exc, match=words.replace("(", r"\(")):
+        call()
+
+
+def test_backward_through_inference_forward_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+    y, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="inference-phase forward"):
+        y.sum().backward()
+
+
+def test_serving_path_and_info_on_cpu():
+    assert cudnorm.serving_path("layer_norm", torch.randn(2, 2)) == "torch (cpu tensor)"
+    info = cudnorm.info()
+    assert info["cudnorm"] == cudnorm.__version__
+    assert set(info["paths"]) >= {"layer_norm", "rms_norm"}
