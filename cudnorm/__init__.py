@@ -5,11 +5,15 @@ a configuration cuDNN declines) the same calls run PyTorch's kernels.
 """
 
 from ._info import cache_info, clear_cache, info, serving_path
+from ._plan_store import clear_plan_store, install_default_store, plan_store_info
 from .layer_norm import layer_norm
 from .modules import LayerNorm, RMSNorm
 from .rms_norm import rms_norm
+from .warmup import record_specs, warmup
 
 __version__ = "0.1.0"
+
+install_default_store()
 
 __all__ = [
     "LayerNorm",
@@ -17,8 +21,12 @@ __all__ = [
     "__version__",
     "cache_info",
     "clear_cache",
+    "clear_plan_store",
     "info",
     "layer_norm",
+    "plan_store_info",
+    "record_specs",
     "rms_norm",
     "serving_path",
+    "warmup",
 ]

@@ -80,10 +80,26 @@ def _build(spec: NormSpec):
     return plan
 
 
+_recorders: list[dict] = []  # open cudnorm.record_specs() blocks, each collecting specs in a dict
+
+
 def get_plan(spec: NormSpec):
     """The :class:`~cudnorm._graphs.Plan` for ``spec``, or ``None`` if cuDNN declines it."""
+    if _recorders:
+        for seen in _recorders:
+            seen.setdefault(spec)
     value = _cache.plans.get_or_build(spec, _build)
     return None if value is _cache.DECLINED else value
+
+
+def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
+    """The dtype a forward uses for ``param`` (weight/bias/AdaLN scale): fp32 parameters
+    of a half-precision input are rounded to the input's dtype unless
+    ``CUDNORM_FP32_WEIGHT_FWD=native``. The PyTorch fallback follows the same rule, so
+    both paths compute the same function."""
+    if param.dtype == torch.float32 and x.dtype != torch.float32 and fp32_weight_mode() != "native":
+        return x.dtype
+    return param.dtype
 
 
 def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):

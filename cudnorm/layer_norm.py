@@ -52,10 +52,10 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
 
 
 def _torch_forward(x, weight, bias, eps, training):
-    """PyTorch path: ATen's LayerNorm in fp32 (accurate, any device), cast back to x's dtype."""
+    """PyTorch path: ATen's LayerNorm in fp32 (any device), cast back to x's dtype; fp32
+    parameters are rounded as on the cuDNN path (``_dispatch.forward_param_dtype``)."""
     m, n = x.shape
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
+    w, b = (None if p is None else p.to(_dispatch.forward_param_dtype(x, p)).float() for p in (weight, bias))
     y, mean, rstd = torch.native_layer_norm(x.float(), [n], w, b, eps)
     y = y.to(x.dtype)
     if not training:

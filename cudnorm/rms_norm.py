@@ -48,12 +48,13 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 def _torch_forward(x, weight, eps, training):
-    """PyTorch path, computed in fp32 and cast back to x's dtype."""
+    """PyTorch path, computed in fp32 and cast back to x's dtype (weight rounded as on the
+    cuDNN path)."""
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(dim=1) + eps)
     y = xf * rstd.unsqueeze(1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(_dispatch.forward_param_dtype(x, weight)).float()
     return y.to(x.dtype), rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
 
 

@@ -164,3 +164,19 @@ def test_serving_path_and_info_on_cpu():
     info = cudnorm.info()
     assert info["cudnorm"] == cudnorm.__version__
     assert set(info["paths"]) >= {"layer_norm", "rms_norm"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_weights_are_rounded_in_forward_only(dtype, monkeypatch):
+    """The documented consequence of the fast fp32-weight forward: y is exactly what the
+    weights rounded to the input dtype give; gradients stay fp32 and unrounded."""
+    x = torch.randn(16, 128).to(dtype).requires_grad_(True)
+    w32 = (1 + 0.01 * torch.randn(128)).requires_grad_(True)
+    b32 = (0.01 * torch.randn(128)).requires_grad_(True)
+    y = cudnorm.layer_norm(x, (128,), w32, b32)
+    assert torch.equal(y, cudnorm.layer_norm(x, (128,), w32.to(dtype), b32.to(dtype)))
+    assert torch.equal(cudnorm.rms_norm(x, (128,), w32), cudnorm.rms_norm(x, (128,), w32.to(dtype)))
+    y.float().square().sum().backward()
+    assert w32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32
+    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "native")
+    assert not torch.equal(cudnorm.layer_norm(x, (128,), w32, b32), y), "native mode does not round"

@@ -1,0 +1,193 @@
+"""Public API vs raw graph execute, the fp32-weight forward, autotuning and host overhead.
+
+For LN/RMS forward (training) and backward at M=32768, N in {1024, 4096, 16384}, bf16 x:
+  * GB/s of the public API (cudnorm.layer_norm / rms_norm, autograd.grad for backward)
+  * GB/s of the raw ordered execute of the very plan the API uses (buffers preallocated)
+  * the fp32-weight forward through the API (each CUDNORM_FP32_WEIGHT_FWD mode) vs the naive
+    graph that reads an fp32 scale ("native")
+Then autotune gain/cost and host microseconds per call at (64, 4096).
+
+Run: PYTHONPATH=. python benchmarks/api_vs_raw.py [--out DIR]   (GPU only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import time
+
+import torch
+
+import cudnorm
+from cudnorm import _cache, _dispatch, _graphs
+
+M = 32768
+SIZES = (1024, 4096, 16384)
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_gbps() -> float:
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * (1 << 31) / ms * 1e-6
+
+
+def nbytes(op, direction, n):
+    io = 2 * M * n * 2 if direction == "fwd" else 3 * M * n * 2
+    params = (2 if op == "layer_norm" else 1) * n * 4
+    stats = (2 if op == "layer_norm" else 1) * M * 4
+    return io + (params if direction == "fwd" else 2 * params) + stats
+
+
+def latest_plan(op, phase):
+    matches = [s for s in _cache.plans.specs() if s.op == op and s.phase == phase and s.rows == M]
+    return _cache.plans.lookup(matches[-1])
+
+
+def raw_callable(plan):
+    spec = plan.spec
+    buffers = _graphs.dummy_buffers(spec)
+    ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    from cudnorm import _runtime
+
+    h = _runtime.handle(0)
+    return lambda: plan.graph.execute(buffers, ws, handle=h, tensor_uids=plan.uids)
+
+
+def api_case(op, n, wdtype):
+    x = torch.randn(M, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=wdtype, requires_grad=True)
+    b = torch.randn(n, device="cuda", dtype=wdtype, requires_grad=True)
+    dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
+    if op == "layer_norm":
+        fwd = lambda: cudnorm.layer_norm(x, (n,), w, b)  # noqa: E731
+        params = [x, w, b]
+    else:
+        fwd = lambda: cudnorm.rms_norm(x, (n,), w)  # noqa: E731
+        params = [x, w]
+    y = fwd()
+    return fwd, (lambda: torch.autograd.grad(y, params, dy, retain_graph=True))
+
+
+def run_api_vs_raw(rows, copy):
+    for op in ("layer_norm", "rms_norm"):
+        for n in SIZES:
+            fwd, bwd = api_case(op, n, torch.bfloat16)
+            for direction, fn, phase in (("fwd", fwd, "train"), ("bwd", bwd, "bwd")):
+                api_ms = bench_ms(fn)
+                raw_ms = bench_ms(raw_callable(latest_plan(op, phase)))
+                nb = nbytes(op, direction, n)
+                rows.append(dict(test="api_vs_raw", op=op, direction=direction, N=n, api_ms=api_ms, raw_ms=raw_ms,
+                                 api_GBps=nb / api_ms * 1e-6, raw_GBps=nb / raw_ms * 1e-6, api_over_raw=raw_ms / api_ms,
+                                 pct_copy=100 * nb / api_ms * 1e-6 / copy, plan=latest_plan(op, phase).plan_name))
+            torch.cuda.empty_cache()
+
+
+def run_fp32_weight_modes(rows):
+    for op in ("layer_norm", "rms_norm"):
+        for n in SIZES:
+            times = {}
+            for mode in ("round", "graph", "native"):
+                os.environ["CUDNORM_FP32_WEIGHT_FWD"] = mode
+                try:
+                    fwd, _ = api_case(op, n, torch.float32)
+                    times[mode] = bench_ms(fwd)
+                except Exception as exc:  # a mode cuDNN refuses is reported, not hidden
+                    times[mode] = float("nan")
+                    print(f"fp32 weights {op} N={n} mode={mode}: {type(exc).__name__}: {exc}")
+            os.environ.pop("CUDNORM_FP32_WEIGHT_FWD")
+            nb = nbytes(op, "fwd", n)
+            rows.append(dict(test="fp32_weight_fwd", op=op, direction="fwd", N=n,
+                             **{f"{m}_GBps": nb / t * 1e-6 for m, t in times.items()},
+                             round_vs_native=times["native"] / times["round"],
+                             graph_vs_native=times["native"] / times["graph"]))
+            torch.cuda.empty_cache()
+
+
+def run_autotune(rows):
+    for op, n in (("layer_norm", 4096), ("layer_norm", 1024), ("rms_norm", 4096), ("rms_norm", 16384)):
+        for phase in ("train", "bwd"):
+            base = dict(op=op, phase=phase, rows=M, cols=n, x_dtype=torch.bfloat16, device_index=0,
+                        scale_dtype=torch.float32 if phase == "bwd" else torch.bfloat16)
+            first = _graphs.build_plan(_graphs.NormSpec(**base))
+            tuned = _graphs.build_plan(_graphs.NormSpec(**base, autotune=True))
+            t_first, t_tuned = bench_ms(raw_callable(first)), bench_ms(raw_callable(tuned))
+            rows.append(dict(test="autotune", op=op, direction=phase, N=n, first_ms=t_first, tuned_ms=t_tuned,
+                             speedup=t_first / t_tuned, build_s=first.build_seconds, tune_s=tuned.build_seconds,
+                             candidates=tuned.candidates_timed, first_plan=first.plan_name, tuned_plan=tuned.plan_name))
+
+
+def host_us(fn, calls=2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def run_host_overhead(rows):
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w16 = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    b16 = torch.randn_like(w16)
+    w32, b32 = w16.float(), b16.float()
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        cases = {
+            "cudnorm.layer_norm bf16 w": lambda: cudnorm.layer_norm(x, (4096,), w16, b16),
+            "cudnorm.layer_norm fp32 w": lambda: cudnorm.layer_norm(x, (4096,), w32, b32),
+            "cudnorm.rms_norm bf16 w": lambda: cudnorm.rms_norm(x, (4096,), w16, 1e-6),
+            "torch F.layer_norm bf16 w": lambda: F.layer_norm(x, (4096,), w16, b16),
+        }
+        cases["cudnorm.layer_norm bf16 w"]()
+        plan = [_cache.plans.lookup(s) for s in _cache.plans.specs() if s.rows == 64 and s.op == "layer_norm"][0]
+        cases["raw ordered execute (same plan)"] = raw_callable(plan)
+        try:
+            from cudnn.ops.norm import layer_norm as upstream
+
+            cases["cudnn.ops.norm.layer_norm fp32 w"] = lambda: upstream(x, (4096,), w32, b32, 1e-5)
+        except Exception as exc:
+            print("upstream cudnn.ops.norm not available:", exc)
+        for name, fn in cases.items():
+            rows.append(dict(test="host_overhead", op=name, direction="fwd", N=4096, us_per_call=host_us(fn)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--parts", default="api,fp32,autotune,host")
+    args = parser.parse_args()
+    os.environ.setdefault("CUDNORM_AUTOTUNE", "auto")
+    copy = copy_gbps()
+    print(f"device {torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  cudnn {cudnorm.info()['cudnn_backend']}")
+    rows: list[dict] = []
+    parts = args.parts.split(",")
+    for name, fn in (("api", lambda: run_api_vs_raw(rows, copy)), ("fp32", lambda: run_fp32_weight_modes(rows)),
+                     ("autotune", lambda: run_autotune(rows)), ("host", lambda: run_host_overhead(rows))):
+        if name in parts:
+            start = time.perf_counter()
+            fn()
+            print(f"[{name} done in {time.perf_counter() - start:.1f}s]", flush=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(os.path.join(args.out, "api_vs_raw.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    for r in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    print("cache:", cudnorm.cache_info())
+
+
+if __name__ == "__main__":
+    main()

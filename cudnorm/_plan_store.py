@@ -1,0 +1,412 @@
+"""On-disk store of built cuDNN plans: a new process loads a graph it has seen before in
+milliseconds instead of building it again (0.1-1.4 s, docs/concepts.md "build costs").
+
+Layout: ``<root>/<fingerprint>/<entry>.plan``. The fingerprint names everything that makes
+a serialized plan valid (GPU name and compute capability, cuDNN backend and frontend, the
+CUDA torch was built with, cudnorm's version), so plans of another GPU or library are never
+even found by name; the entry name hashes the :class:`NormSpec` and the fingerprint.
+
+Entry file (format version 1)::
+
+    b"CUDNORMP" | uint32 format version | uint32 header length | header (UTF-8 JSON) | blob
+
+The header holds the spec, the fingerprint, the plan name, the autotune timings, and the
+length and SHA-256 of the blob (cuDNN's serialized plan). A file that is truncated, corrupt,
+of another format or fingerprint is skipped with a warning and the plan rebuilt (the rebuilt
+plan's save replaces it).
+
+Writes go to a temporary file in the same directory and are moved into place with
+``os.replace``, so readers never see a partial entry and concurrent writers of one entry
+simply race to an identical result. After each save the least recently used entries (by
+mtime; a load touches its file) are removed until the store fits its size bound. A store
+that cannot be written warns once and keeps new plans in memory for the rest of the process
+(entries already there are still loaded).
+
+Environment: ``CUDNORM_PLAN_STORE_DIR`` (default ``$XDG_CACHE_HOME/cudnorm/plans`` or
+``~/.cache/cudnorm/plans``), ``CUDNORM_PLAN_STORE=0`` disables the store,
+``CUDNORM_PLAN_STORE_MAX_MB`` bounds its size (default 512).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from . import _dispatch, _graphs, _runtime
+from ._spec import NormSpec
+
+MAGIC = b"CUDNORMP"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sII")  # magic, format version, header length
+_MAX_HEADER_BYTES = 1 << 20
+_SUFFIX = ".plan"
+_TEMP_PREFIX = ".tmp-"
+_STALE_TEMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
+
+
+class EntryError(ValueError):
+    """An entry file that cannot be used; the message says why."""
+
+
+def encode_entry(meta: dict, blob: bytes) -> bytes:
+    """The bytes of an entry file: ``meta`` plus the blob's length and checksum, then the blob."""
+    header = dict(meta, blob_bytes=len(blob), blob_sha256=hashlib.sha256(blob).hexdigest())
+    text = json.dumps(header, sort_keys=True).encode()
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text + blob
+
+
+def _decode_header(data: bytes) -> tuple[dict, int]:
+    """``(header, offset of the blob)`` from the start of an entry file."""
+    if len(data) < _PREFIX.size:
+        raise EntryError(f"truncated ({len(data)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise EntryError("not a cudnorm plan file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise EntryError(f"format version {version}, this cudnorm reads {FORMAT_VERSION}")
+    end = _PREFIX.size + header_len
+    if header_len > _MAX_HEADER_BYTES or len(data) < end:
+        raise EntryError("truncated header")
+    try:
+        header = json.loads(data[_PREFIX.size:end])
+    except ValueError as exc:
+        raise EntryError(f"unreadable header ({exc})") from None
+    if not isinstance(header, dict) or not {"spec", "fingerprint", "blob_bytes", "blob_sha256"} <= set(header):
+        raise EntryError("header lacks required fields")
+    return header, end
+
+
+def decode_entry(data: bytes) -> tuple[dict, bytes]:
+    """Inverse of :func:`encode_entry`; raises :class:`EntryError` on any damage."""
+    header, start = _decode_header(data)
+    blob = data[start:]
+    if len(blob) != header["blob_bytes"]:
+        raise EntryError(f"truncated blob ({len(blob)} of {header['blob_bytes']} bytes)")
+    if hashlib.sha256(blob).hexdigest() != header["blob_sha256"]:
+        raise EntryError("checksum mismatch (corrupt blob)")
+    return header, blob
+
+
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def default_fingerprint(device_index: int) -> dict:
+    """What makes a serialized plan valid on ``device_index`` (JSON-able dict)."""
+    from . import __version__  # noqa: PLC0415 - the package imports this module
+
+    return {**_runtime.device_fingerprint(device_index), "cudnorm": __version__}
+
+
+class PlanStore:
+    """Plans on disk under ``directory``, bounded to ``max_bytes``.
+
+    ``load(spec)``/``save(plan)`` are the hooks :mod:`cudnorm._dispatch` calls around a
+    build; neither raises (problems are warned about once and the caller builds instead).
+    ``fingerprint(device_index) -> dict`` is injectable for tests.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, *, fingerprint=default_fingerprint,
+                 enabled: bool = True) -> None:
+        self.root = Path(directory)
+        self.max_bytes = int(max_bytes)
+        self.enabled = enabled
+        self.writable = True
+        self._fingerprint_fn = fingerprint
+        self._fingerprints: dict[int, tuple[dict, Path]] = {}
+        self._warned: set[str] = set()
+
+    # -- locating entries ------------------------------------------------------------------
+    def _fingerprint(self, device_index: int) -> tuple[dict, Path]:
+        """``(fingerprint as JSON gives it back, its directory)``, computed once per device."""
+        cached = self._fingerprints.get(device_index)
+        if cached is None:
+            fp = json.loads(json.dumps(self._fingerprint_fn(device_index), sort_keys=True))
+            gpu = "".join(c if c.isalnum() else "_" for c in str(fp.get("gpu", "device")))[:32]
+            cached = self._fingerprints[device_index] = (fp, self.root / f"{gpu}-{_hash(fp)[:12]}")
+        return cached
+
+    def entry_path(self, spec: NormSpec) -> Path:
+        fp, directory = self._fingerprint(spec.device_index)
+        return directory / (_hash({"spec": spec.to_json(), "fingerprint": fp})[:40] + _SUFFIX)
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"cudnorm plan store: {message}", RuntimeWarning, stacklevel=3)
+
+    # -- the dispatch hooks -----------------------------------------------------------------
+    def load(self, spec: NormSpec):
+        """The stored :class:`~cudnorm._graphs.Plan` of ``spec``, or ``None`` (then build)."""
+        if not self.enabled:
+            return None
+        try:
+            path = self.entry_path(spec)
+            fp = self._fingerprints[spec.device_index][0]
+        except Exception as exc:  # no fingerprint, no store: never fail the op over it
+            self._warn("fingerprint", f"cannot fingerprint cuda:{spec.device_index} ({exc}); not loading plans")
+            return None
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._warn(str(path), f"skipping {path}: unreadable ({exc})")
+            return None
+        try:
+            header, blob = decode_entry(data)
+            if header["fingerprint"] != fp:
+                raise EntryError(f"built for another GPU or library version ({header['fingerprint']})")
+            if header["spec"] != spec.to_json():
+                raise EntryError(f"holds another graph ({header['spec']})")
+        except EntryError as exc:
+            self._warn(str(path), f"skipping {path}: {exc}; rebuilding")
+            return None
+        try:
+            plan = _graphs.deserialize_plan(spec, blob, header.get("plan_name", "deserialized"))
+        except Exception as exc:  # the blob does not load on this driver/library: rebuild
+            self._warn(str(path), f"skipping {path}: cuDNN could not load it ({type(exc).__name__}: {exc}); rebuilding")
+            return None
+        plan.timings_ms = {int(k): v for k, v in header.get("timings_ms", {}).items()}
+        plan.candidates_timed = header.get("candidates_timed", 0)
+        try:
+            os.utime(path)  # recency for eviction
+        except OSError:
+            pass  # a read-only store still serves its plans
+        return plan
+
+    def save(self, plan) -> None:
+        """Write ``plan`` (a freshly built :class:`~cudnorm._graphs.Plan`) and enforce the bound."""
+        if not (self.enabled and self.writable):
+            return
+        spec = plan.spec
+        try:
+            path = self.entry_path(spec)
+            fp = self._fingerprints[spec.device_index][0]
+            blob = _graphs.serialize_plan(plan)
+        except Exception as exc:
+            self._warn(f"save:{spec.slug()}", f"cannot serialize {spec.slug()} ({type(exc).__name__}: {exc})")
+            return
+        meta = {"spec": spec.to_json(), "fingerprint": fp, "plan_name": plan.plan_name,
+                "timings_ms": {str(k): v for k, v in plan.timings_ms.items()},
+                "candidates_timed": plan.candidates_timed, "build_seconds": plan.build_seconds,
+                "created": time.time()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, encode_entry(meta, blob))
+        except OSError as exc:
+            self.writable = False
+            self._warn("write", f"cannot write to {path.parent} ({exc}); keeping new plans in memory only "
+                                "for this process")
+            return
+        self.evict()
+
+    # -- maintenance ------------------------------------------------------------------------
+    def _files(self):
+        """``(path, stat)`` of every entry and temp file under the root (all fingerprints)."""
+        for sub in _listdir(self.root):
+            for path in _listdir(sub):
+                if path.name.endswith(_SUFFIX) or path.name.startswith(_TEMP_PREFIX):
+                    try:
+                        yield path, path.stat()
+                    except FileNotFoundError:  # removed by another process meanwhile
+                        continue
+
+    def evict(self) -> int:
+        """Remove least recently used entries (and dead writers' temp files) until the
+        store fits ``max_bytes``. Returns the number of files removed."""
+        now = time.time()
+        entries, removed = [], 0
+        for path, st in self._files():
+            if path.name.startswith(_TEMP_PREFIX):
+                if now - st.st_mtime > _STALE_TEMP_SECONDS:
+                    removed += _unlink(path)
+            else:
+                entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            removed += _unlink(path)
+            total -= size
+        return removed
+
+    def entries(self) -> list[dict]:
+        """One dict per entry file: path, bytes, age, and the header (or the reason it is unreadable)."""
+        rows = []
+        now = time.time()
+        for path, st in self._files():
+            if path.name.startswith(_TEMP_PREFIX):
+                continue
+            row = {"path": str(path), "bytes": st.st_size, "age_s": max(0.0, now - st.st_mtime)}
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(_PREFIX.size)
+                    if len(head) == _PREFIX.size:
+                        head += f.read(_PREFIX.unpack(head)[2])
+                row["header"], _ = _decode_header(head)
+            except (OSError, EntryError, struct.error) as exc:
+                row["error"] = str(exc)
+            rows.append(row)
+        return rows
+
+    def clear(self) -> int:
+        """Delete every entry (and empty fingerprint directory). Returns the files removed."""
+        removed = sum(_unlink(path) for path, _ in list(self._files()))
+        for sub in _listdir(self.root):
+            if sub.is_dir():
+                try:
+                    sub.rmdir()
+                except OSError:
+                    pass  # not empty (files that are not ours) or not removable
+        return removed
+
+    def info(self) -> dict:
+        files = [st for path, st in self._files() if path.name.endswith(_SUFFIX)]
+        return {"path": str(self.root), "enabled": self.enabled, "writable": self.writable,
+                "entries": len(files), "bytes": sum(st.st_size for st in files), "max_bytes": self.max_bytes}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide a shared, pre-warmed store
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(Path(tmp))
+        raise
+
+
+def _listdir(directory: Path) -> list[Path]:
+    """Entries of ``directory``; none when it is missing, not a directory or unreadable."""
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
+
+def _unlink(path: Path) -> int:
+    try:
+        path.unlink()
+        return 1
+    except OSError:  # gone already (another process) or not removable: nothing to count
+        return 0
+
+
+# -- configuration and the default store ----------------------------------------------------
+def default_directory() -> Path:
+    explicit = os.environ.get("CUDNORM_PLAN_STORE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache_home) / "cudnorm" / "plans"
+
+
+def enabled_from_env() -> bool:
+    return os.environ.get("CUDNORM_PLAN_STORE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def max_bytes_from_env() -> int:
+    raw = os.environ.get("CUDNORM_PLAN_STORE_MAX_MB", "512")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be a number, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be >= 0, got {raw!r}")
+    return int(value * (1 << 20))
+
+
+def install_default_store() -> PlanStore | None:
+    """Install the store the environment describes (or none when disabled). Touches no file:
+    the directory is created by the first save."""
+    store = PlanStore(default_directory(), max_bytes_from_env()) if enabled_from_env() else None
+    _dispatch.set_plan_store(store)
+    return store
+
+
+def _current() -> PlanStore:
+    """The installed store, or a disabled one at the configured place (to inspect or clear)."""
+    store = _dispatch._plan_store
+    if isinstance(store, PlanStore):
+        return store
+    return PlanStore(default_directory(), max_bytes_from_env(), enabled=False)
+
+
+def plan_store_info() -> dict:
+    """The on-disk plan store: ``path``, ``enabled``, ``writable``, ``entries``, ``bytes``,
+    ``max_bytes`` (entries and bytes count every fingerprint directory)."""
+    return _current().info()
+
+
+def clear_plan_store() -> int:
+    """Delete every stored plan; returns the number of files removed. The in-memory cache
+    is untouched (see :func:`cudnorm.clear_cache`)."""
+    return _current().clear()
+
+
+# -- `cudnorm cache info|clear` -------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("action", choices=("info", "clear"), help="show the store, or delete every entry")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> int:
+    from .cli import print_json_or_table  # noqa: PLC0415
+
+    store = _current()
+    if args.action == "clear":
+        removed = store.clear()
+        print(f"removed {removed} file(s) from {store.root}")
+        return 0
+    summary = store.info()
+    entries = store.entries()
+    if args.json:
+        print(json.dumps({**summary, "files": entries}, indent=2, default=str))
+        return 0
+    print_json_or_table({**summary, "bytes": _size(summary["bytes"]), "max_bytes": _size(summary["max_bytes"])}, False)
+    if entries:
+        print()
+        print_table([_entry_row(e) for e in entries], ("op", "phase", "shape", "dtype", "gpu", "plan", "size", "age"))
+    return 0
+
+
+def _entry_row(entry: dict) -> dict:
+    age, size = _age(entry["age_s"]), _size(entry["bytes"])
+    if "error" in entry:
+        return {"op": Path(entry["path"]).name, "phase": "-", "shape": "-", "dtype": "-", "gpu": "-",
+                "plan": f"unreadable: {entry['error']}", "size": size, "age": age}
+    h = entry["header"]
+    spec = h["spec"]
+    shape = f"{spec['rows']}x{spec['cols']}" + (f" (b{spec['batch']})" if spec.get("batch", 1) != 1 else "")
+    return {"op": spec["op"], "phase": spec["phase"], "shape": shape,
+            "dtype": f"{spec['x_dtype']}/{spec['scale_dtype']}", "gpu": h["fingerprint"].get("gpu", "?"),
+            "plan": h.get("plan_name", "?"), "size": size, "age": age}
+
+
+def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
+    """Left-aligned columns with a header line (shared by ``cache info`` and ``warmup``)."""
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
+    print("  ".join(f"{c:<{widths[c]}}" for c in columns).rstrip())
+    for r in rows:
+        print("  ".join(f"{str(r.get(c, '')):<{widths[c]}}" for c in columns).rstrip())
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.1f} KB"
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f} {unit}"
+    return f"{seconds:.0f} s"

@@ -1,0 +1,326 @@
+"""Build the graphs a job needs before the job: record them once, or take them from a preset.
+
+Every new shape is a new cuDNN graph costing 0.1-1.4 s to build (docs/concepts.md, "build
+costs"). :func:`record_specs` notes the graphs one real step asks for and writes them to a
+spec file; :func:`warmup` (or ``cudnorm warmup``) builds the graphs of a spec file, a list of
+specs or a model preset, which puts them in the in-memory cache and the on-disk plan store,
+so the job itself loads each in milliseconds.
+
+Spec file (JSON)::
+
+    {"format": "cudnorm-specs", "version": 1, "specs": [NormSpec.to_json(), ...]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from . import _cache, _dispatch, _runtime
+from ._plan_store import print_table
+from ._progress import progress as _progress
+from ._spec import NormSpec, dtype_from_name
+
+SPEC_FORMAT = "cudnorm-specs"
+SPEC_VERSION = 1
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+# -- spec files ---------------------------------------------------------------------------
+def _sorted(specs: Iterable[NormSpec]) -> list[NormSpec]:
+    """Deduplicated, in an order independent of the order the ops ran in."""
+    return sorted(set(specs), key=lambda s: (s.op, s.phase, s.cols, s.rows, s.slug()))
+
+
+def write_spec_file(path: str | os.PathLike, specs: Iterable[NormSpec]) -> None:
+    data = {"format": SPEC_FORMAT, "version": SPEC_VERSION, "specs": [s.to_json() for s in _sorted(specs)]}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_spec_file(path: str | os.PathLike) -> list[NormSpec]:
+    """The specs of a file written by :func:`record_specs`; ``ValueError`` names what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"cudnorm.warmup: {path} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
+        raise ValueError(f"cudnorm.warmup: {path} is not a cudnorm spec file (no \"format\": \"{SPEC_FORMAT}\")")
+    if data.get("version") != SPEC_VERSION:
+        raise ValueError(f"cudnorm.warmup: {path} has spec file version {data.get('version')!r}; "
+                         f"this cudnorm reads version {SPEC_VERSION}")
+    try:
+        return [NormSpec.from_json(d) for d in data["specs"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"cudnorm.warmup: {path} holds an invalid spec ({exc})") from None
+
+
+class Recording:
+    """What :func:`record_specs` yields; ``specs`` is filled when the block exits."""
+
+    def __init__(self) -> None:
+        self.specs: list[NormSpec] = []
+
+
+@contextlib.contextmanager
+def record_specs(path: str | os.PathLike | None = None):
+    """Record the cuDNN graphs the ops ask for inside the block (run one real step in it).
+
+    On a normal exit the graphs, deduplicated, are written to ``path`` as a spec file for
+    :func:`warmup` / ``cudnorm warmup`` (with ``path=None`` they are only kept on the
+    yielded object's ``specs``). Only calls that reach cuDNN are recorded: CPU tensors and
+    other PyTorch-path calls ask for no graph. Recording costs one ``if`` per op call while
+    no block is open.
+
+    Example::
+
+        with cudnorm.record_specs("step.json"):
+            loss = model(batch).loss
+            loss.backward()
+    """
+    seen: dict = {}
+    recording = Recording()
+    _dispatch._recorders.append(seen)
+    try:
+        yield recording
+    finally:
+        _dispatch._recorders.remove(seen)
+    recording.specs = _sorted(seen)
+    if not recording.specs:
+        warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
+                      f"unavailable: {_runtime.cudnn_status().reason}, or no cudnorm op ran)", RuntimeWarning,
+                      stacklevel=3)
+    if path is not None:
+        write_spec_file(path, recording.specs)
+
+
+# -- the specs an op asks for -------------------------------------------------------------
+def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dtype: torch.dtype | None,
+               device_index: int, phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
+    """The specs :func:`cudnorm.layer_norm` / :func:`cudnorm.rms_norm` request for a packed
+    ``[rows, cols]`` input of ``x_dtype`` with weights of ``weight_dtype`` (``None``: no
+    affine parameters), under the current ``CUDNORM_*`` policies.
+
+    The scale dtype and in-graph cast come from the ops' own rule
+    (``_dispatch.forward_params``, evaluated on meta tensors); the rest mirrors the
+    ``NormSpec(...)`` calls in layer_norm.py/rms_norm.py, which tests/test_warmup.py checks
+    against specs recorded from the ops themselves.
+    """
+    if op not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"cudnorm.warmup: argument 'op' must be 'layer_norm' or 'rms_norm', got {op!r}")
+    x = torch.empty((rows, cols), dtype=x_dtype, device="meta")
+    param = None if weight_dtype is None else torch.empty(cols, dtype=weight_dtype, device="meta")
+    has_bias = op == "layer_norm"
+    _, _, scale_dtype, cast = _dispatch.forward_params(x, param, param if has_bias else None, has_bias=has_bias)
+    specs = []
+    for phase in phases:
+        autotune = _dispatch.autotune_wanted(op, phase, rows, cols)
+        if phase == "bwd":  # the backward always reads an fp32 scale
+            specs.append(NormSpec(op, "bwd", rows, cols, x_dtype, torch.float32, device_index, autotune=autotune))
+        else:
+            specs.append(NormSpec(op, phase, rows, cols, x_dtype, scale_dtype, device_index, scale_cast=cast,
+                                  autotune=autotune))
+    return specs
+
+
+def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, device_index: int,
+                   phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
+    """AdaLN specs (DiT ``x * (1 + scale) + shift`` convention, per-sample scale/shift
+    ``[batch, 1, cols]`` in ``x_dtype``) for ``x: [batch, seq, cols]``.
+
+    Built directly as ``NormSpec(op="ada_layer_norm", ...)``: written before the AdaLN op
+    existed, so whether that op requests exactly these keys is checked on the GPU only.
+    """
+    rows = batch * seq
+    return [NormSpec("ada_layer_norm", phase, rows, cols, x_dtype, x_dtype, device_index, batch=batch, dit=True,
+                     autotune=_dispatch.autotune_wanted("ada_layer_norm", phase, rows, cols))
+            for phase in phases]
+
+
+# -- presets ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    """The norm layers of a model family: ``specs(batch, seq, dtype, device_index)``."""
+
+    name: str
+    model: str
+    default_seq: int
+    norms: str
+    specs: Callable[[int, int, torch.dtype, int], list[NormSpec]]
+
+
+def _llm(hidden: int):
+    """Decoder LLM with RMSNorm (fp32 weights): training step on ``batch*seq`` rows, prefill
+    on ``batch*seq`` rows and one decode step (``batch`` rows)."""
+    def specs(batch, seq, dtype, device):
+        return (norm_specs("rms_norm", batch * seq, hidden, x_dtype=dtype, weight_dtype=torch.float32,
+                           device_index=device)
+                + norm_specs("rms_norm", batch, hidden, x_dtype=dtype, weight_dtype=torch.float32,
+                             device_index=device, phases=("infer",)))
+    return specs
+
+
+def _dit(hidden: int, context_tokens: int = 0):
+    """DiT-style blocks: AdaLN (no affine, ``1 + scale``) on the image tokens, including the
+    final layer; with ``context_tokens`` also on a text stream (MMDiT)."""
+    def specs(batch, seq, dtype, device):
+        out = ada_norm_specs(batch, seq, hidden, x_dtype=dtype, device_index=device)
+        if context_tokens:
+            out += ada_norm_specs(batch, context_tokens, hidden, x_dtype=dtype, device_index=device)
+        return out
+    return specs
+
+
+PRESETS = {p.name: p for p in (
+    Preset("dit-xl-2", "DiT-XL/2", 256, "AdaLN D=1152 (seq 256 = 256px images, 1024 = 512px)", _dit(1152)),
+    Preset("dit-b-2", "DiT-B/2", 256, "AdaLN D=768", _dit(768)),
+    Preset("pixart-alpha", "PixArt-alpha XL/2", 4096, "AdaLN D=1152 (seq 4096 = 1024px images)", _dit(1152)),
+    Preset("sd3-medium", "Stable Diffusion 3 medium (MMDiT)", 4096,
+           "AdaLN D=1536 on image tokens and 333 text tokens (77 CLIP + 256 T5)", _dit(1536, context_tokens=333)),
+    Preset("llama-3-8b", "Llama-3-8B", 4096, "RMSNorm D=4096, fp32 weight; train, prefill, decode", _llm(4096)),
+    Preset("llama-3-70b", "Llama-3-70B", 4096, "RMSNorm D=8192, fp32 weight; train, prefill, decode", _llm(8192)),
+)}
+
+
+def preset_specs(name: str, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
+                 device_index: int = 0) -> list[NormSpec]:
+    """The specs of preset ``name`` (see ``cudnorm warmup --list-presets``) for ``batch``
+    samples of ``seq`` tokens (default: the preset's), activations in ``dtype``."""
+    if name not in PRESETS:
+        raise ValueError(f"cudnorm.warmup: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    for arg, value in (("batch", batch), ("seq", seq)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"cudnorm.warmup: argument '{arg}' must be a positive int, got {value!r}")
+    preset = PRESETS[name]
+    return _sorted(preset.specs(batch, seq or preset.default_seq, parse_dtype(dtype), device_index))
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return dtype_from_name(_DTYPE_ALIASES.get(dtype, dtype))
+
+
+# -- building -----------------------------------------------------------------------------
+def resolve(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
+            device: int | str | torch.device | None = None) -> list[NormSpec]:
+    """The specs ``source`` names (spec file, list of specs, or preset), moved to ``device``."""
+    index = _device_index(device)
+    if isinstance(source, str) and source in PRESETS and not Path(source).exists():
+        return preset_specs(source, batch=batch, seq=seq, dtype=dtype,
+                            device_index=_device_index("cuda") if index is None else index)
+    if isinstance(source, (str, os.PathLike)):
+        if not Path(source).is_file():
+            raise ValueError(f"cudnorm.warmup: argument 'source' {str(source)!r} is neither a spec file nor a "
+                             f"preset ({', '.join(sorted(PRESETS))})")
+        specs = read_spec_file(source)
+    else:
+        specs = list(source)
+        bad = [s for s in specs if not isinstance(s, NormSpec)]
+        if bad:
+            raise TypeError(f"cudnorm.warmup: argument 'source' must hold NormSpec objects, got {type(bad[0]).__name__}")
+    return _sorted(specs if index is None else (replace(s, device_index=index) for s in specs))
+
+
+def _device_index(device) -> int | None:
+    """``cuda:N`` -> N; plain ``cuda`` -> the current device (0 without CUDA); None stays None."""
+    if device is None:
+        return None
+    parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if parsed.type != "cuda":
+        raise ValueError(f"cudnorm.warmup: argument 'device' must be a CUDA device, got {device!r}")
+    if parsed.index is not None:
+        return parsed.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
+           device: int | str | torch.device | None = None, progress: bool = True) -> list[dict]:
+    """Build every graph of ``source`` now, into the plan cache and the on-disk plan store.
+
+    Args:
+        source: a spec file from :func:`record_specs`, a list of ``NormSpec``, or a preset
+            name (``"llama-3-8b"``, ``"dit-xl-2"``, ...; see ``cudnorm warmup --list-presets``).
+        batch, seq, dtype: the shape and activation dtype for a preset (ignored otherwise).
+        device: build on this CUDA device instead of the one each spec names.
+        progress: show a progress bar.
+
+    Returns:
+        One dict per spec: ``spec`` (slug), ``source`` (``built``, ``store``: loaded from
+        the plan store, ``cached``: already in memory, ``declined``: cuDNN has no engine,
+        ``skipped``: cuDNN unavailable here), ``plan`` (plan name) and ``seconds``.
+    """
+    specs = resolve(source, batch=batch, seq=seq, dtype=dtype, device=device)
+    status = _runtime.cudnn_status()
+    if not status.available:
+        warnings.warn(f"cudnorm.warmup: nothing built, cuDNN is unavailable ({status.reason})", RuntimeWarning,
+                      stacklevel=2)
+        return [{"spec": s.slug(), "source": "skipped", "plan": "", "seconds": 0.0} for s in specs]
+    count = torch.cuda.device_count()
+    missing = sorted({s.device_index for s in specs if not 0 <= s.device_index < count})
+    if missing:
+        raise ValueError(f"cudnorm.warmup: specs name cuda:{missing[0]} but this machine has {count} GPU(s); "
+                         "pass device= to build them elsewhere")
+    rows = []
+    for spec in (_progress(specs, len(specs), "cudnorm warmup") if progress else specs):
+        cached = spec in set(_cache.plans.specs())
+        start = time.perf_counter()
+        plan = _dispatch.get_plan(spec)
+        seconds = time.perf_counter() - start
+        where = "declined" if plan is None else "cached" if cached else plan.source
+        rows.append({"spec": spec.slug(), "source": where, "plan": "" if plan is None else plan.plan_name,
+                     "seconds": seconds})
+    return rows
+
+
+# -- `cudnorm warmup` ---------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("spec_file", nargs="?", help="spec file written by cudnorm.record_specs()")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="build the graphs of a model preset")
+    parser.add_argument("--batch", type=int, default=1, help="preset batch size (default 1)")
+    parser.add_argument("--seq", type=int, default=None, help="preset tokens per sample (default: the preset's)")
+    parser.add_argument("--dtype", default="bf16", help="preset activation dtype: bf16, fp16 or fp32")
+    parser.add_argument("--device", type=int, default=None, help="CUDA device to build on (default: the specs')")
+    parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    if args.list_presets:
+        print_table([{"preset": p.name, "model": p.model, "default seq": p.default_seq, "norm layers": p.norms}
+                     for p in PRESETS.values()], ("preset", "model", "default seq", "norm layers"))
+        return 0
+    if (args.spec_file is None) == (args.preset is None):
+        print("cudnorm warmup: give a spec file or --preset NAME (see --list-presets)")
+        return 2
+    try:
+        specs = resolve(args.spec_file or args.preset, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                        device=args.device)
+    except (TypeError, ValueError) as exc:
+        print(exc)
+        return 2
+    status = _runtime.cudnn_status()
+    if not status.available:
+        print(f"cudnorm warmup: cuDNN is not available here ({status.reason}); nothing was built. "
+              f"The {len(specs)} graph(s) it would build:")
+        for spec in specs:
+            print(f"  {spec.slug()}")
+        return 0
+    start = time.perf_counter()
+    rows = warmup(specs, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print_table([{**r, "seconds": f"{r['seconds']:.3f}"} for r in rows], ("spec", "source", "plan", "seconds"))
+    counts = {k: sum(r["source"] == k for r in rows) for k in ("built", "store", "cached", "declined")}
+    print(f"\n{len(rows)} graph(s) in {time.perf_counter() - start:.1f} s: "
+          + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    return 0

@@ -1,0 +1,205 @@
+"""LayerNorm/RMSNorm on cuDNN (GPU): accuracy under the 2x-PyTorch rule across dtypes,
+weights, sizes and layouts; phases; opcheck; torch.compile; CUDA-graph replay; fallback."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnorm
+from cudnorm import _cache
+from cudnorm import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SIZES = [256, 768, 1000, 1024, 4096, 5120, 12345, 16384, 65536]
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    # accuracy does not depend on the plan; autotuning every shape would only cost build time
+    monkeypatch.setenv("CUDNORM_AUTOTUNE", "0")
+
+
+def _rows(n):
+    return max(8, min(512, (1 << 22) // n))
+
+
+def _weights(n, kind, dtype):
+    if kind == "none":
+        return None, None
+    wdtype = torch.float32 if kind == "fp32" else dtype
+    return ((1 + 0.1 * torch.randn(n, device="cuda")).to(wdtype), (0.1 * torch.randn(n, device="cuda")).to(wdtype))
+
+
+def _check_ln(x, w, b):
+    n = x.shape[-1]
+    before = cudnorm.cache_info().declined
+    rows = ref.accuracy_report(
+        lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5),
+        lambda x, w, b: F.layer_norm(x, (n,), None if w is None else w.to(x.dtype), None if b is None else b.to(x.dtype), 1e-5),
+        lambda x, w, b: ref.layer_norm(x, w, b, 1e-5), (x, w, b), torch.randn_like(x), ("y", "dx", "dw", "db"), x.dtype)
+    assert cudnorm.cache_info().declined == before, "cuDNN declined a configuration"
+    assert all(r["ok"] for r in rows), rows
+
+
+def _check_rms(x, w):
+    n = x.shape[-1]
+    before = cudnorm.cache_info().declined
+    rows = ref.accuracy_report(
+        lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-6),
+        lambda x, w: F.rms_norm(x, (n,), None if w is None else w.to(x.dtype), 1e-6),
+        lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), torch.randn_like(x), ("y", "dx", "dw"), x.dtype)
+    assert cudnorm.cache_info().declined == before, "cuDNN declined a configuration"
+    assert all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accuracy_fp32_weights_2d(n, dtype):
+    x = torch.randn(_rows(n), n, device="cuda").to(dtype)
+    w, b = _weights(n, "fp32", dtype)
+    assert cudnorm.serving_path("layer_norm", x) == "cudnn"
+    _check_ln(x, w, b)
+    _check_rms(x, w)
+
+
+@pytest.mark.parametrize("n", [1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["same", "none"])
+def test_accuracy_other_weights_3d(n, dtype, kind):
+    x = torch.randn(3, 37, n, device="cuda").to(dtype)
+    w, b = _weights(n, kind, dtype)
+    _check_ln(x, w, b)
+    _check_ln(x, w, None)
+    _check_rms(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_non_contiguous_and_padded_inputs(dtype):
+    base = torch.randn(64, 2048, device="cuda").to(dtype)
+    w, b = _weights(1024, "fp32", dtype)
+    _check_ln(base[:, :1024], w, b)  # padded rows: served without a copy
+    _check_rms(base[:, 1024:], w)
+    _check_ln(torch.randn(1024, 96, device="cuda").to(dtype).t(), w, b)  # transposed: copied
+
+
+def test_no_grad_runs_inference_graph(fresh_cache):
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    with torch.no_grad():
+        cudnorm.layer_norm(x, (1024,), w)
+    with torch.inference_mode():
+        cudnorm.rms_norm(x, (1024,), w)
+    assert {(s.op, s.phase) for s in _cache.plans.specs()} == {("layer_norm", "infer"), ("rms_norm", "infer")}
+    cudnorm.layer_norm(x, (1024,), w)
+    assert ("layer_norm", "train") in {(s.op, s.phase) for s in _cache.plans.specs()}
+
+
+def test_fp32_weight_forward_is_rounded_weight_forward():
+    x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.01 * torch.randn(4096, device="cuda")
+    b = 0.01 * torch.randn(4096, device="cuda")
+    assert torch.equal(cudnorm.layer_norm(x, (4096,), w, b), cudnorm.layer_norm(x, (4096,), w.bfloat16(), b.bfloat16()))
+
+
+@pytest.mark.parametrize("op, args", [
+    ("layer_norm_fwd", lambda: (torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                                torch.randn(1024, device="cuda", requires_grad=True),
+                                torch.randn(1024, device="cuda", requires_grad=True), 1e-5, True)),
+    ("layer_norm_fwd", lambda: (torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16), None, None, 1e-5, False)),
+    ("rms_norm_fwd", lambda: (torch.randn(64, 1024, device="cuda", dtype=torch.float16, requires_grad=True),
+                              torch.randn(1024, device="cuda", dtype=torch.float16, requires_grad=True), 1e-6, True)),
+])
+def test_opcheck_cuda(op, args):
+    torch.library.opcheck(getattr(torch.ops.cudnorm, op).default, args())
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(cudnorm.LayerNorm(1024), torch.nn.Linear(1024, 1024), cudnorm.RMSNorm(1024)).cuda()
+
+
+def test_compile_fullgraph_matches_eager():
+    model = _model()
+    x = torch.randn(4, 64, 1024, device="cuda", requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want)
+
+
+def test_cuda_graph_training_step_replays():
+    model = _model()
+    static_x = torch.randn(64, 1024, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: replays must reproduce eager exactly
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = model(static_x).square().mean()
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm up: graphs are built and cached outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    for _ in range(3):
+        new_x = torch.randn(64, 1024, device="cuda")
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        replay_loss = static_loss.item()
+        replay_grads = [p.grad.clone() for p in model.parameters()]
+        eager_loss = step().item()
+        assert replay_loss == pytest.approx(eager_loss, rel=1e-6)
+        for a, b in zip(replay_grads, (p.grad for p in model.parameters())):
+            torch.testing.assert_close(a, b)
+
+
+def test_cpu_tensors_fall_back_on_a_gpu_machine():
+    x = torch.randn(8, 256)
+    assert cudnorm.serving_path("layer_norm", x) == "torch (cpu tensor)"
+    torch.testing.assert_close(cudnorm.layer_norm(x, (256,)), F.layer_norm(x, (256,)))
+
+
+def test_autotune_picks_a_timed_plan(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CUDNORM_AUTOTUNE", "1")
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = cudnorm.layer_norm(x, (4096,), w)
+    (spec,) = _cache.plans.specs()
+    plan = _cache.plans.lookup(spec)
+    assert spec.autotune and plan.candidates_timed >= 1
+    torch.testing.assert_close(y.float(), ref.layer_norm(x, w, None).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_threads_get_their_own_handles():
+    import threading
+
+    from cudnorm import _runtime
+
+    handles = {}
+
+    def grab(name):
+        handles[name] = _runtime.handle(0)
+
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    grab("main")
+    assert len({id(h) for h in handles.values()}) == 3
