@@ -5,16 +5,16 @@ and, when the on-disk plan store is enabled, looked up there before building and
 after. A spec cuDNN declines is remembered too (as ``DECLINED``), so the PyTorch fallback is
 taken at once on later calls instead of re-asking cuDNN.
 
-Size: ``CUDNORM_CACHE_SIZE`` entries (default 512).
+Size: ``CUDNORM_CACHE_SIZE`` entries (default 512, see ``cudnorm._settings``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from . import _settings
 from ._spec import NormSpec
 
 DECLINED = object()  # cache value for a spec cuDNN has no engine for
@@ -121,15 +121,4 @@ class PlanCache:
                 self._info.evictions += 1
 
 
-def _capacity_from_env() -> int:
-    raw = os.environ.get("CUDNORM_CACHE_SIZE", "512")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be an integer, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be >= 1, got {value}")
-    return value
-
-
-plans = PlanCache(_capacity_from_env())
+plans = PlanCache(_settings.current.cache_size)

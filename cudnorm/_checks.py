@@ -73,3 +73,36 @@ def check_eps(op: str, eps) -> float:
     if not math.isfinite(eps) or eps < 0:
         _fail(ValueError, op, "eps", f"must be finite and >= 0, got {eps}")
     return eps
+
+
+_FAST_DTYPES = frozenset(SUPPORTED_DTYPES)
+_F32 = torch.float32
+
+
+def norm_call(op: str, input, normalized_shape, params: dict, eps) -> tuple[int, float]:
+    """Validate a whole norm call; return ``(N, eps)`` where ``N = prod(normalized_shape)``.
+
+    The common case costs a few attribute reads (this runs on every call, and the whole
+    call budget is ~20 us); anything unusual goes through the detailed checks above, which
+    raise the descriptive error.
+    """
+    try:
+        shape = (normalized_shape,) if type(normalized_shape) is int else tuple(normalized_shape)
+        fast = (isinstance(input, torch.Tensor) and input.dtype in _FAST_DTYPES and 0 < len(shape) <= input.dim()
+                and input.shape[-len(shape):] == shape and input.numel() > 0
+                and type(eps) is float and 0.0 <= eps < math.inf)
+        if fast:
+            for p in params.values():
+                if p is not None and (p.shape != shape or (p.dtype is not input.dtype and p.dtype is not _F32)
+                                      or p.device != input.device):
+                    fast = False
+                    break
+    except TypeError:
+        fast = False
+    if fast:
+        return math.prod(shape), eps
+    check_input(op, input)
+    shape, n = normalized_size(op, input, normalized_shape)
+    for name, p in params.items():
+        check_param(op, name, p, input, shape)
+    return n, check_eps(op, eps)

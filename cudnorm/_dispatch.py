@@ -6,20 +6,20 @@
   fp32 master weights and half-precision activations it rounds them to the activation
   dtype, because cuDNN 9.19 serves an fp32 scale only on a generic engine 3-4x slower
   (see docs/concepts.md, "fp32 weights"); the backward reads the fp32 weight unchanged.
-* Policies come from environment variables, read on every call so tests can flip them:
-  ``CUDNORM_AUTOTUNE`` (``auto``/``1``/``0``) and ``CUDNORM_FP32_WEIGHT_FWD``
-  (``round``: cast in PyTorch, ``graph``: cast inside the cuDNN graph, ``native``: no cast).
+* Policies come from :mod:`cudnorm._settings` (environment variables read at import):
+  ``CUDNORM_AUTOTUNE`` and ``CUDNORM_FP32_WEIGHT_FWD``.
+
+Everything here runs on every call: keep it to attribute reads and dictionary lookups.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
 import torch
 
-from . import _cache, _graphs, _runtime
+from . import _cache, _graphs, _runtime, _settings
 from ._spec import NormSpec
 
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
@@ -36,21 +36,16 @@ def set_plan_store(store) -> None:
 
 
 def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
-    mode = os.environ.get("CUDNORM_AUTOTUNE", "auto").strip().lower()
-    if mode in ("1", "on", "true", "yes", "always"):
-        return True
-    if mode in ("0", "off", "false", "no", "never"):
-        return False
-    if mode != "auto":
-        raise ValueError(f"cudnorm: CUDNORM_AUTOTUNE must be auto, 1 or 0, got {mode!r}")
-    return phase != "bwd" and rows * cols >= AUTOTUNE_MIN_ELEMENTS
+    """Whether a new graph for this call should be autotuned (``CUDNORM_AUTOTUNE``)."""
+    mode = _settings.current.autotune
+    if mode == "auto":
+        return phase != "bwd" and rows * cols >= AUTOTUNE_MIN_ELEMENTS
+    return mode == "on"
 
 
 def fp32_weight_mode() -> str:
-    mode = os.environ.get("CUDNORM_FP32_WEIGHT_FWD", "round").strip().lower()
-    if mode not in ("round", "graph", "native"):
-        raise ValueError(f"cudnorm: CUDNORM_FP32_WEIGHT_FWD must be round, graph or native, got {mode!r}")
-    return mode
+    """``"round"`` or ``"native"`` (``CUDNORM_FP32_WEIGHT_FWD``)."""
+    return _settings.current.fp32_weight_fwd
 
 
 _warned: set = set()
@@ -92,32 +87,36 @@ def get_plan(spec: NormSpec):
     return None if value is _cache.DECLINED else value
 
 
+_F32 = torch.float32
+
+
 def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     """The dtype a forward uses for ``param`` (weight/bias/AdaLN scale): fp32 parameters
     of a half-precision input are rounded to the input's dtype unless
     ``CUDNORM_FP32_WEIGHT_FWD=native``. The PyTorch fallback follows the same rule, so
     both paths compute the same function."""
-    if param.dtype == torch.float32 and x.dtype != torch.float32 and fp32_weight_mode() != "native":
+    if param.dtype is _F32 and x.dtype is not _F32 and _settings.current.fp32_weight_fwd == "round":
         return x.dtype
     return param.dtype
 
 
 def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
-    """``(scale, bias, scale_dtype, scale_cast)`` buffers for a forward graph.
+    """``(scale, bias, scale_dtype, scale_cast)`` buffers for a forward graph on ``x: [M, N]``.
 
-    Absent weight/bias become cached ones/zeros so one graph formulation serves every
-    affine variant (the extra ``N``-element read is negligible).
+    Scale and bias share one dtype (``x.dtype``, or fp32 in ``native`` mode when a
+    parameter is fp32). Absent weight/bias become cached ones/zeros so one graph
+    formulation serves every affine variant (the extra ``N``-element read is negligible).
     """
-    params = [p for p in (weight, bias) if p is not None]
-    wants_fp32 = x.dtype != torch.float32 and any(p.dtype == torch.float32 for p in params)
-    mode = fp32_weight_mode() if wants_fp32 else "round"
-    dtype = torch.float32 if mode in ("graph", "native") else x.dtype
-    n = x.shape[-1] if weight is None and bias is None else (weight if weight is not None else bias).numel()
-    scale = constant(1.0, n, dtype, x.device) if weight is None else weight.reshape(-1).to(dtype)
+    dtype = x.dtype
+    if dtype is not _F32 and _settings.current.fp32_weight_fwd == "native" and (
+            (weight is not None and weight.dtype is _F32) or (bias is not None and bias.dtype is _F32)):
+        dtype = _F32
+    n = x.shape[-1]
+    scale = constant(1.0, n, dtype, x.device) if weight is None else weight if weight.dtype is dtype else weight.to(dtype)
     shift = None
     if has_bias:
-        shift = constant(0.0, n, dtype, x.device) if bias is None else bias.reshape(-1).to(dtype)
-    return scale, shift, dtype, mode == "graph"
+        shift = constant(0.0, n, dtype, x.device) if bias is None else bias if bias.dtype is dtype else bias.to(dtype)
+    return scale, shift, dtype, False
 
 
 _constants: dict = {}
@@ -147,3 +146,26 @@ def cudnn_rows(x: torch.Tensor) -> torch.Tensor:
 def route(x: torch.Tensor) -> str | None:
     """``None`` when cuDNN may serve ``x``; else why the PyTorch path runs."""
     return _runtime.route(x)
+
+
+def eager_autograd(name: str, forward, setup_context, backward) -> type:
+    """An ``autograd.Function`` running the same forward/setup/backward functions a custom
+    op registers, for eager calls.
+
+    Eager calls skip the dispatcher this way: a Python custom op costs 20-40 us of host
+    time per call, which would dominate small norms. Traced calls (``torch.compile``) use
+    the registered custom op, so both paths run identical code.
+    """
+
+    def fwd(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
+
+
+def eager() -> bool:
+    """True outside ``torch.compile`` tracing, where the op's implementation may be called
+    directly."""
+    return not torch.compiler.is_compiling()

@@ -13,11 +13,12 @@ Set ``CUDNORM_DISABLE_CUDNN=1`` to force PyTorch's kernels everywhere.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
+
+from . import _settings
 
 #: Oldest compute capability we send to cuDNN's norm engines. The fused norm engines
 #: are built for Ampere and newer; older GPUs take the PyTorch path.
@@ -34,10 +35,6 @@ class CudnnStatus:
     reason: str
     frontend_version: str | None = None
     backend_version: int | None = None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +67,7 @@ def _probe_status() -> CudnnStatus:
 
 def cudnn_status() -> CudnnStatus:
     """Process-wide availability of cuDNN (honours ``CUDNORM_DISABLE_CUDNN``)."""
-    if _env_flag("CUDNORM_DISABLE_CUDNN"):
+    if _settings.current.disable_cudnn:
         return CudnnStatus(False, "disabled by CUDNORM_DISABLE_CUDNN")
     return _probe_status()
 

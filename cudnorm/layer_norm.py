@@ -1,11 +1,14 @@
-"""LayerNorm on cuDNN graphs: custom ops (cuDNN or PyTorch fallback), autograd, functional.
+"""LayerNorm on cuDNN graphs: implementation (cuDNN or PyTorch fallback), custom ops,
+autograd, functional.
 
 Math, per row ``x`` of ``N`` elements::
 
     mean = sum(x) / N,  rstd = 1 / sqrt(sum((x - mean)^2) / N + eps)
     y = (x - mean) * rstd * weight + bias
 
-The ops work on ``[rows, N]`` views; :func:`layer_norm` flattens the leading dims.
+The implementation works on ``[rows, N]`` views; :func:`layer_norm` flattens leading dims.
+Eager calls run the implementation directly (through an ``autograd.Function`` when grad is
+needed); traced calls go through the ``cudnorm::layer_norm_*`` custom ops.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ _OP = "layer_norm"
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("cudnorm::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   eps: float, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+             training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward on ``x: [M, N]``; ``weight``/``bias``: ``[N]`` fp32 or x's dtype, or None.
 
     Returns ``(y [M, N] x.dtype, mean [M] fp32, rstd [M] fp32)``; with ``training=False``
@@ -35,18 +37,17 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         x = _dispatch.cudnn_rows(x)
         scale, shift, scale_dtype, cast = _dispatch.forward_params(x, weight, bias, has_bias=True)
         phase = "train" if training else "infer"
-        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x_row_stride=x.stride(0),
-                        scale_cast=cast, autotune=_dispatch.autotune_wanted(_OP, phase, m, n))
+        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x.stride(0), 1, cast, False,
+                        _dispatch.autotune_wanted(_OP, phase, m, n))
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-            eps_t = host_scalar(eps, spec)
             if training:
                 mean = torch.empty(m, dtype=torch.float32, device=x.device)
                 rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-                plan.run(x, scale, shift, eps_t, y, mean, rstd)
+                plan.run(x, scale, shift, host_scalar(eps, spec), y, mean, rstd)
                 return y, mean, rstd
-            plan.run(x, scale, shift, eps_t, y)
+            plan.run(x, scale, shift, host_scalar(eps, spec), y)
             return y, x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
     return _torch_forward(x, weight, bias, eps, training)
 
@@ -63,15 +64,7 @@ def _torch_forward(x, weight, bias, eps, training):
     return y, mean.view(m), rstd.view(m)
 
 
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, eps, training):
-    m, n = x.shape
-    stats = (m,) if training else _EMPTY
-    return (x.new_empty((m, n)), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32))
-
-
-@torch.library.custom_op("cudnorm::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
                    rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32, dbias [N] fp32)``.
 
@@ -81,7 +74,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x_row_stride=x.stride(0),
+        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x.stride(0),
                         autotune=_dispatch.autotune_wanted(_OP, "bwd", m, n))
         plan = _dispatch.get_plan(spec)
         if plan is not None:
@@ -105,6 +98,17 @@ def _torch_backward(dy, x, weight, mean, rstd):
     return dx.to(x.dtype), dw, dyf.sum(0)
 
 
+layer_norm_fwd = torch.library.custom_op("cudnorm::layer_norm_fwd", _forward, mutates_args=())
+layer_norm_bwd = torch.library.custom_op("cudnorm::layer_norm_bwd", _backward_impl, mutates_args=())
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps, training):
+    m, n = x.shape
+    stats = (m,) if training else _EMPTY
+    return (x.new_empty((m, n)), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32))
+
+
 @layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd):
     n = x.shape[1]
@@ -124,13 +128,15 @@ def _backward(ctx, dy, _dmean, _drstd):
     if mean.numel() == 0:
         raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
                            "(the forward ran without grad mode, so no statistics were saved)")
-    dx, dw, db = layer_norm_bwd(dy, x, weight, mean, rstd)
+    backward = _backward_impl if _dispatch.eager() else layer_norm_bwd
+    dx, dw, db = backward(dy, x, weight, mean, rstd)
     dweight = None if weight is None else dw.to(weight.dtype)
     dbias = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
     return dx, dweight, dbias, None, None
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _setup_context, _backward)
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
@@ -152,12 +158,17 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     With bf16/fp16 ``input`` and fp32 ``weight``/``bias`` the forward rounds the parameters
     to ``input.dtype`` (what ``torch.autocast`` does) while gradients stay fp32-accurate.
     """
-    _checks.check_input(_OP, input)
-    shape, n = _checks.normalized_size(_OP, input, normalized_shape)
-    weight = _checks.check_param(_OP, "weight", weight, input, shape)
-    bias = _checks.check_param(_OP, "bias", bias, input, shape)
-    eps = _checks.check_eps(_OP, eps)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
-    flat = lambda p: None if p is None else p.reshape(n)  # noqa: E731
-    y, _, _ = layer_norm_fwd(input.reshape(-1, n), flat(weight), flat(bias), eps, training)
-    return y.view(input.shape)
+    n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
+    x = input if flat else input.reshape(-1, n)
+    w = weight if weight is None or flat else weight.reshape(n)
+    b = bias if bias is None or flat else bias.reshape(n)
+    training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
+                                            or (bias is not None and bias.requires_grad))
+    if not _dispatch.eager():
+        y = layer_norm_fwd(x, w, b, eps, training)[0]
+    elif training:
+        y = _LayerNormFunction.apply(x, w, b, eps, training)[0]
+    else:
+        y = _forward(x, w, b, eps, False)[0]
+    return y if flat else y.view(input.shape)

@@ -4,7 +4,9 @@ Math, per row ``x`` of ``N`` elements::
 
     rstd = 1 / sqrt(sum(x^2) / N + eps),  y = x * rstd * weight
 
-The ops work on ``[rows, N]`` views; :func:`rms_norm` flattens the leading dims.
+The implementation works on ``[rows, N]`` views; :func:`rms_norm` flattens leading dims.
+Eager calls run the implementation directly (through an ``autograd.Function`` when grad is
+needed); traced calls go through the ``cudnorm::rms_norm_*`` custom ops.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ _OP = "rms_norm"
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("cudnorm::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                  training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on ``x: [M, N]``; ``weight``: ``[N]`` fp32 or x's dtype, or None.
 
@@ -33,8 +34,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         x = _dispatch.cudnn_rows(x)
         scale, _, scale_dtype, cast = _dispatch.forward_params(x, weight, None, has_bias=False)
         phase = "train" if training else "infer"
-        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x_row_stride=x.stride(0),
-                        scale_cast=cast, autotune=_dispatch.autotune_wanted(_OP, phase, m, n))
+        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x.stride(0), 1, cast, False,
+                        _dispatch.autotune_wanted(_OP, phase, m, n))
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -58,20 +59,13 @@ def _torch_forward(x, weight, eps, training):
     return y.to(x.dtype), rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
 
 
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, training):
-    m, n = x.shape
-    return x.new_empty((m, n)), x.new_empty((m,) if training else _EMPTY, dtype=torch.float32)
-
-
-@torch.library.custom_op("cudnorm::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32)``."""
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x_row_stride=x.stride(0),
+        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x.stride(0),
                         autotune=_dispatch.autotune_wanted(_OP, "bwd", m, n))
         plan = _dispatch.get_plan(spec)
         if plan is not None:
@@ -92,6 +86,16 @@ def _torch_backward(dy, x, weight, rstd):
     return dx.to(x.dtype), (dyf * xhat).sum(0)
 
 
+rms_norm_fwd = torch.library.custom_op("cudnorm::rms_norm_fwd", _forward, mutates_args=())
+rms_norm_bwd = torch.library.custom_op("cudnorm::rms_norm_bwd", _backward_impl, mutates_args=())
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, training):
+    m, n = x.shape
+    return x.new_empty((m, n)), x.new_empty((m,) if training else _EMPTY, dtype=torch.float32)
+
+
 @rms_norm_bwd.register_fake
 def _(dy, x, weight, rstd):
     return x.new_empty(x.shape), x.new_empty((x.shape[1],), dtype=torch.float32)
@@ -109,11 +113,13 @@ def _backward(ctx, dy, _drstd):
     if rstd.numel() == 0:
         raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
                            "(the forward ran without grad mode, so no statistics were saved)")
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+    backward = _backward_impl if _dispatch.eager() else rms_norm_bwd
+    dx, dw = backward(dy, x, weight, rstd)
     return dx, None if weight is None else dw.to(weight.dtype), None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup_context, _backward)
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
@@ -132,10 +138,17 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
         inference graph otherwise; fp32 weights are rounded to ``input.dtype`` in the
         forward only, as in :func:`cudnorm.layer_norm`).
     """
-    _checks.check_input(_OP, input)
-    shape, n = _checks.normalized_size(_OP, input, normalized_shape)
-    weight = _checks.check_param(_OP, "weight", weight, input, shape)
-    eps = torch.finfo(input.dtype).eps if eps is None else _checks.check_eps(_OP, eps)
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 0.0
+    n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight}, eps)
+    flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
+    x = input if flat else input.reshape(-1, n)
+    w = weight if weight is None or flat else weight.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
-    y, _ = rms_norm_fwd(input.reshape(-1, n), None if weight is None else weight.reshape(n), eps, training)
-    return y.view(input.shape)
+    if not _dispatch.eager():
+        y = rms_norm_fwd(x, w, eps, training)[0]
+    elif training:
+        y = _RMSNormFunction.apply(x, w, eps, training)[0]
+    else:
+        y = _forward(x, w, eps, False)[0]
+    return y if flat else y.view(input.shape)

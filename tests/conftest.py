@@ -28,3 +28,18 @@ def fresh_cache():
     cudnorm.clear_cache()
     yield
     cudnorm.clear_cache()
+
+
+@pytest.fixture
+def cudnorm_env(monkeypatch):
+    """Set cudnorm environment settings for one test (they are read at import, so the
+    settings are reloaded after each change and restored afterwards)."""
+    from cudnorm import _settings
+
+    def setenv(name, value):
+        monkeypatch.setenv(name, value)
+        _settings.reload()
+
+    yield setenv
+    monkeypatch.undo()
+    _settings.reload()

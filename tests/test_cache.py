@@ -23,7 +23,8 @@ def test_key_is_value_based_and_eps_free():
                 _spec(scale_dtype=torch.float32, scale_cast=True), _spec(device_index=1), _spec(x_row_stride=128),
                 _spec(autotune=True), _spec(op="rms_norm")}
     assert len(distinct) == 9
-    assert "eps" not in {f for f in NormSpec.__dataclass_fields__}
+    assert "eps" not in NormSpec._fields
+    assert _spec(x_row_stride=64) == _spec(), "packed rows have one canonical key"
 
 
 def test_lru_evicts_least_recently_used_and_counts():
@@ -93,29 +94,33 @@ def test_builds_and_build_seconds_are_counted(monkeypatch, fresh_cache):
     assert cudnorm.cache_info().size == 0 and cudnorm.cache_info().builds == 0
 
 
-def test_policies_from_environment(monkeypatch):
-    monkeypatch.setenv("CUDNORM_AUTOTUNE", "auto")
+def test_policies_from_environment(cudnorm_env):
+    cudnorm_env("CUDNORM_AUTOTUNE", "auto")
     assert _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "train", 64, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)
-    monkeypatch.setenv("CUDNORM_AUTOTUNE", "1")
+    cudnorm_env("CUDNORM_AUTOTUNE", "1")
     assert _dispatch.autotune_wanted("layer_norm", "bwd", 1, 1)
-    monkeypatch.setenv("CUDNORM_AUTOTUNE", "sometimes")
+    cudnorm_env("CUDNORM_AUTOTUNE", "0")
+    assert not _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
     with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE"):
-        _dispatch.autotune_wanted("layer_norm", "train", 1, 1)
-    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "bogus")
+        cudnorm_env("CUDNORM_AUTOTUNE", "sometimes")
+    cudnorm_env("CUDNORM_AUTOTUNE", "auto")
     with pytest.raises(ValueError, match="CUDNORM_FP32_WEIGHT_FWD"):
-        _dispatch.fp32_weight_mode()
+        cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "bogus")
+    cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "round")
+    with pytest.raises(ValueError, match="CUDNORM_CACHE_SIZE"):
+        cudnorm_env("CUDNORM_CACHE_SIZE", "0")
 
 
-def test_forward_params_rounds_fp32_weights_for_half_inputs(monkeypatch):
+def test_forward_params_rounds_fp32_weights_for_half_inputs(cudnorm_env):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     w, b = torch.randn(8), torch.randn(8)
     scale, shift, dtype, cast = _dispatch.forward_params(x, w, b, has_bias=True)
     assert dtype == torch.bfloat16 and not cast and scale.dtype == shift.dtype == torch.bfloat16
-    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "graph")
+    cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "native")
     scale, shift, dtype, cast = _dispatch.forward_params(x, w, None, has_bias=True)
-    assert dtype == torch.float32 and cast and scale.data_ptr() == w.data_ptr(), "no copy"
+    assert dtype == torch.float32 and scale is w, "no copy"
     assert torch.equal(shift, torch.zeros(8)), "an absent bias is a zeros vector"
     scale, _, _, _ = _dispatch.forward_params(x, None, None, has_bias=False)
     assert torch.equal(scale, torch.ones(8, dtype=torch.bfloat16))

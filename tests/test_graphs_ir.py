@@ -96,4 +96,6 @@ def test_spec_json_round_trip_and_slug():
     with pytest.raises(ValueError, match="unknown NormSpec field"):
         NormSpec.from_json({**spec.to_json(), "bogus": 1})
     with pytest.raises(ValueError, match="unknown op"):
-        NormSpec("group_norm", "train", 1, 1, torch.float32, torch.float32, 0)
+        NormSpec("group_norm", "train", 1, 1, torch.float32, torch.float32, 0).validate()
+    with pytest.raises(ValueError, match="inconsistent"):
+        NormSpec("layer_norm", "train", 8, 64, torch.float32, torch.float32, 0, x_row_stride=32).validate()

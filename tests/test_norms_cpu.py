@@ -167,7 +167,7 @@ def test_serving_path_and_info_on_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp32_weights_are_rounded_in_forward_only(dtype, monkeypatch):
+def test_fp32_weights_are_rounded_in_forward_only(dtype, cudnorm_env):
     """The documented consequence of the fast fp32-weight forward: y is exactly what the
     weights rounded to the input dtype give; gradients stay fp32 and unrounded."""
     x = torch.randn(16, 128).to(dtype).requires_grad_(True)
@@ -178,5 +178,5 @@ def test_fp32_weights_are_rounded_in_forward_only(dtype, monkeypatch):
     assert torch.equal(cudnorm.rms_norm(x, (128,), w32), cudnorm.rms_norm(x, (128,), w32.to(dtype)))
     y.float().square().sum().backward()
     assert w32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32
-    monkeypatch.setenv("CUDNORM_FP32_WEIGHT_FWD", "native")
+    cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "native")
     assert not torch.equal(cudnorm.layer_norm(x, (128,), w32, b32), y), "native mode does not round"

@@ -16,9 +16,9 @@ SIZES = [256, 768, 1000, 1024, 4096, 5120, 12345, 16384, 65536]
 
 
 @pytest.fixture(autouse=True)
-def _no_autotune(monkeypatch):
+def _no_autotune(cudnorm_env):
     # accuracy does not depend on the plan; autotuning every shape would only cost build time
-    monkeypatch.setenv("CUDNORM_AUTOTUNE", "0")
+    cudnorm_env("CUDNORM_AUTOTUNE", "0")
 
 
 def _rows(n):
@@ -174,8 +174,8 @@ def test_cpu_tensors_fall_back_on_a_gpu_machine():
     torch.testing.assert_close(cudnorm.layer_norm(x, (256,)), F.layer_norm(x, (256,)))
 
 
-def test_autotune_picks_a_timed_plan(fresh_cache, monkeypatch):
-    monkeypatch.setenv("CUDNORM_AUTOTUNE", "1")
+def test_autotune_picks_a_timed_plan(fresh_cache, cudnorm_env):
+    cudnorm_env("CUDNORM_AUTOTUNE", "1")
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
