@@ -6,8 +6,9 @@ a configuration cuDNN declines) the same calls run PyTorch's kernels.
 
 from ._info import cache_info, clear_cache, info, serving_path
 from ._plan_store import clear_plan_store, install_default_store, plan_store_info
+from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
-from .modules import LayerNorm, RMSNorm
+from .modules import AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, LayerNorm, RMSNorm
 from .rms_norm import rms_norm
 from .warmup import record_specs, warmup
 
@@ -16,9 +17,13 @@ __version__ = "0.1.0"
 install_default_store()
 
 __all__ = [
+    "AdaLayerNorm",
+    "AdaLayerNormContinuous",
+    "AdaLayerNormZero",
     "LayerNorm",
     "RMSNorm",
     "__version__",
+    "ada_layer_norm",
     "cache_info",
     "clear_cache",
     "clear_plan_store",

@@ -136,6 +136,15 @@ class PlanStore:
         fp, directory = self._fingerprint(spec.device_index)
         return directory / (_hash({"spec": spec.to_json(), "fingerprint": fp})[:40] + _SUFFIX)
 
+    def _locate(self, spec: NormSpec) -> tuple[Path, dict] | None:
+        """``(entry path, fingerprint)``, or ``None`` (warned once) when the device cannot be
+        fingerprinted: then there is no store, but the op must still run."""
+        try:
+            return self.entry_path(spec), self._fingerprints[spec.device_index][0]
+        except Exception as exc:
+            self._warn("fingerprint", f"cannot fingerprint cuda:{spec.device_index} ({exc}); not using the store")
+            return None
+
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -144,17 +153,13 @@ class PlanStore:
     # -- the dispatch hooks -----------------------------------------------------------------
     def load(self, spec: NormSpec):
         """The stored :class:`~cudnorm._graphs.Plan` of ``spec``, or ``None`` (then build)."""
-        if not self.enabled:
+        located = self._locate(spec) if self.enabled else None
+        if located is None:
             return None
-        try:
-            path = self.entry_path(spec)
-            fp = self._fingerprints[spec.device_index][0]
-        except Exception as exc:  # no fingerprint, no store: never fail the op over it
-            self._warn("fingerprint", f"cannot fingerprint cuda:{spec.device_index} ({exc}); not loading plans")
-            return None
+        path, fp = located
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             self._warn(str(path), f"skipping {path}: unreadable ({exc})")
@@ -185,12 +190,20 @@ class PlanStore:
         """Write ``plan`` (a freshly built :class:`~cudnorm._graphs.Plan`) and enforce the bound."""
         if not (self.enabled and self.writable):
             return
-        spec = plan.spec
         try:
-            path = self.entry_path(spec)
-            fp = self._fingerprints[spec.device_index][0]
+            self._save(plan)
+        except Exception as exc:  # a plan that cannot be stored is still a good plan: never fail the op
+            self._warn("save", f"cannot save plans ({type(exc).__name__}: {exc}); they are rebuilt in new processes")
+
+    def _save(self, plan) -> None:
+        spec = plan.spec
+        located = self._locate(spec)
+        if located is None:
+            return
+        path, fp = located
+        try:
             blob = _graphs.serialize_plan(plan)
-        except Exception as exc:
+        except Exception as exc:  # e.g. an engine without a serialized form: used from memory only
             self._warn(f"save:{spec.slug()}", f"cannot serialize {spec.slug()} ({type(exc).__name__}: {exc})")
             return
         meta = {"spec": spec.to_json(), "fingerprint": fp, "plan_name": plan.plan_name,

@@ -111,7 +111,7 @@ def _cudnn_forward(x, scale, shift, eps, dit, training):
     plan = _dispatch.get_plan(spec(dit))
     if plan is None and dit:
         plan, dit = _dispatch.get_plan(spec(False)), False
-        scale = scale.float().add_(1.0).to(scale_dtype)
+        scale = (scale.float() + 1.0).to(scale_dtype)
     if plan is None:
         return None
     y = torch.empty((b, s, d), dtype=x.dtype, device=x.device)
@@ -121,7 +121,7 @@ def _cudnn_forward(x, scale, shift, eps, dit, training):
         rstd = torch.empty(b * s, dtype=torch.float32, device=x.device)
         buffers += [mean, rstd]
     else:
-        mean = rstd = x.new_empty(_EMPTY, dtype=torch.float32)
+        mean, rstd = x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
     if dit:
         buffers.append(host_scalar(1.0, plan.spec))
     plan.run(*buffers)
@@ -134,8 +134,10 @@ def _gain(scale: torch.Tensor, dit: bool) -> torch.Tensor:
 
 
 def _torch_forward(x, scale, shift, eps, dit, training):
-    """PyTorch path, computed in fp32 and cast back to x's dtype."""
+    """PyTorch path, computed in fp32 and cast back to x's dtype; fp32 scale/shift are
+    rounded as on the cuDNN path (``_dispatch.forward_param_dtype``)."""
     b, s, d = x.shape
+    scale, shift = (p.to(_dispatch.forward_param_dtype(x, p)) for p in (scale, shift))
     xhat, mean, rstd = torch.native_layer_norm(x.float(), [d], None, None, eps)
     y = (xhat * _gain(scale, dit)[:, None] + shift.float()[:, None]).to(x.dtype)
     if not training:
@@ -185,7 +187,7 @@ def ada_layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, m
     b, s, d = x.shape
     if _dispatch.route(x) is None:
         call = _BwdCall(_aligned(dy.reshape(b * s, d)), _dispatch.cudnn_rows(x.reshape(b * s, d)), scale,
-                        mean, rstd, b, s, one_plus_scale)
+                        _aligned(mean), _aligned(rstd), b, s, one_plus_scale)
         for name in _FALLTHROUGH[_backward_strategy(b, s, d, x.dtype)]:
             out = _BACKWARDS[name](call)
             if out is not None:
@@ -323,6 +325,7 @@ class _CapturedBackward:
     def __init__(self, call: _BwdCall, setup: _PerSample, dx: torch.Tensor) -> None:
         self.gain, self.dscale, self.dshift = _param_buffers(call)
         self.setup, self.dx = setup, dx
+        self.plan = setup.plan  # the graph's kernels belong to the plan: keep it alive
         self.graph = None
 
     @classmethod
@@ -342,11 +345,15 @@ class _CapturedBackward:
         else:
             cls._entries.move_to_end(key)
             _fill_gain(entry.gain, call)
-            entry.graph.replay()
+            if entry.graph is not None:
+                entry.graph.replay()
+            else:
+                setup.launch(dx, entry.gain, entry.dscale, entry.dshift)
         return dx, entry.dscale.clone(memory_format=torch.contiguous_format), \
             entry.dshift.clone(memory_format=torch.contiguous_format)
 
     def capture(self, device: int, stream: int) -> None:
+        """Record the launches (nothing runs). On failure the entry stays eager, with a warning."""
         pool = self._pools.get((device, stream))
         if pool is None:
             pool = self._pools[(device, stream)] = torch.cuda.graph_pool_handle()
@@ -354,15 +361,19 @@ class _CapturedBackward:
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            # thread_local: other threads (data loaders, autograd workers) keep working
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                self.setup.launch(self.dx, self.gain, self.dscale, self.dshift)
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.stream(side):
+                # thread_local: other threads (data loaders, autograd workers) keep working
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    self.setup.launch(self.dx, self.gain, self.dscale, self.dshift)
+                finally:
+                    graph.capture_end()
+            self.graph = graph
+        except Exception as exc:  # capture refused (driver, nested capture): stay correct, eager
+            warnings.warn(f"cudnorm.{_OP}: CUDA-graph capture of the per-sample backward failed "
+                          f"({type(exc).__name__}: {exc}); running it without a graph", RuntimeWarning, stacklevel=2)
         current.wait_stream(side)
-        self.graph = graph
         self.setup = self.dx = None  # the graph holds pointers, not tensors: drop the refs
 
     @classmethod

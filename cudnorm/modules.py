@@ -3,12 +3,16 @@
 ``LayerNorm``/``RMSNorm`` subclass PyTorch's own modules, so constructor arguments,
 parameters, ``state_dict`` keys and ``repr`` are exactly PyTorch's: a checkpoint saved from
 ``torch.nn.LayerNorm`` loads into ``cudnorm.LayerNorm`` and back.
+
+The AdaLN modules follow diffusers' classes of the same names (``linear.weight``,
+``linear.bias``, chunk orders), so a pretrained ``state_dict`` loads into them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 
@@ -30,3 +34,73 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class AdaLayerNorm(torch.nn.Module):
+    """DiT's ``modulate(norm(x), shift, scale)``, fused: ``layer_norm(x) * (1 + scale) + shift``
+    with a non-affine LayerNorm. No parameters: shift/scale come from the caller.
+
+    ``forward(x, shift, scale)``: ``x [B, *, D]``; shift/scale ``[B, D]`` or ``[B, 1, D]``
+    (note the argument order: shift first, as in DiT's ``modulate``).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return ada_layer_norm(x, scale, shift, self.eps, one_plus_scale=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class AdaLayerNormZero(torch.nn.Module):
+    """adaLN-Zero (DiT): ``emb -> SiLU -> Linear(cond_dim, 6 * dim)`` chunked as
+    ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``.
+
+    ``forward(x, emb)`` with ``x [B, *, D]``, ``emb [B, cond_dim]`` returns
+    ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``,
+    the chunks ``[B, D]``, as ``diffusers.models.normalization.AdaLayerNormZero`` does.
+    The linear layer starts at zero (DiT's init), so the block starts as the identity.
+    """
+
+    def __init__(self, dim: int, cond_dim: int | None = None, eps: float = 1e-6, bias: bool = True) -> None:
+        super().__init__()
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(dim if cond_dim is None else cond_dim, 6 * dim, bias=bias)
+        torch.nn.init.zeros_(self.linear.weight)
+        if bias:
+            torch.nn.init.zeros_(self.linear.bias)
+        self.norm = AdaLayerNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
+        return self.norm(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormContinuous(torch.nn.Module):
+    """SD3/Flux's output norm: ``emb -> SiLU -> Linear(cond_dim, 2 * dim)`` chunked as
+    ``(scale, shift)``, then ``norm(x) * (1 + scale) + shift``.
+
+    ``forward(x, emb)``: ``x [B, *, D]``, ``emb [B, cond_dim]``. With ``elementwise_affine``
+    the norm has ``norm.weight``/``norm.bias`` (diffusers' default layout); they are folded
+    into the per-sample scale/shift (``[B, D]`` work), so the op still reads ``x`` once.
+    """
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6, elementwise_affine: bool = False,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(cond_dim, 2 * dim, bias=bias)
+        self.norm = LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine, bias=bias)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(self.silu(emb)).chunk(2, dim=1)
+        weight, bias = self.norm.weight, self.norm.bias
+        if weight is None:
+            return ada_layer_norm(x, scale, shift, self.norm.eps, one_plus_scale=True)
+        # (xhat * w + b) * gain + shift == xhat * (w * gain) + (b * gain + shift)
+        gain = 1 + scale
+        shift = shift if bias is None else bias * gain + shift
+        return ada_layer_norm(x, weight * gain, shift, self.norm.eps)

@@ -90,8 +90,8 @@ def record_specs(path: str | os.PathLike | None = None):
     _dispatch._recorders.append(seen)
     try:
         yield recording
-    finally:
-        _dispatch._recorders.remove(seen)
+    finally:  # by identity: another open block's dict may compare equal
+        _dispatch._recorders[:] = [r for r in _dispatch._recorders if r is not seen]
     recording.specs = _sorted(seen)
     if not recording.specs:
         warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
@@ -131,17 +131,39 @@ def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dt
 
 
 def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, device_index: int,
+                   scale_dtype: torch.dtype | None = None, dit: bool = True,
                    phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
-    """AdaLN specs (DiT ``x * (1 + scale) + shift`` convention, per-sample scale/shift
-    ``[batch, 1, cols]`` in ``x_dtype``) for ``x: [batch, seq, cols]``.
+    """The specs :func:`cudnorm.ada_layer_norm` requests for ``x: [batch, seq, cols]`` with
+    per-sample scale/shift ``[batch, cols]`` of ``scale_dtype`` (default ``x_dtype``, what a
+    modulation Linear returns); ``dit``: the ``1 + scale`` convention.
 
-    Built directly as ``NormSpec(op="ada_layer_norm", ...)``: written before the AdaLN op
-    existed, so whether that op requests exactly these keys is checked on the GPU only.
+    The forward's scale dtype comes from ``_dispatch.forward_params`` and the backward
+    follows the op's own strategy choice (``ada_layer_norm._backward_strategy``): cuDNN's
+    AdaLN backward graph, or the LayerNorm backward run per sample (``seq`` rows). The
+    ``NormSpec(...)`` calls mirror ada_layer_norm.py; tests/test_warmup.py checks them
+    against specs recorded from the op.
     """
+    from .ada_layer_norm import _backward_strategy  # noqa: PLC0415 - optional op family
+
     rows = batch * seq
-    return [NormSpec("ada_layer_norm", phase, rows, cols, x_dtype, x_dtype, device_index, batch=batch, dit=True,
-                     autotune=_dispatch.autotune_wanted("ada_layer_norm", phase, rows, cols))
-            for phase in phases]
+    x = torch.empty((rows, cols), dtype=x_dtype, device="meta")
+    param = torch.empty((batch, cols), dtype=scale_dtype or x_dtype, device="meta")
+    _, _, fwd_dtype, cast = _dispatch.forward_params(x, param, param, has_bias=True)
+    specs = []
+    for phase in phases:
+        if phase != "bwd":
+            specs.append(NormSpec("ada_layer_norm", phase, rows, cols, x_dtype, fwd_dtype, device_index,
+                                  batch=batch, scale_cast=cast, dit=dit,
+                                  autotune=_dispatch.autotune_wanted("ada_layer_norm", phase, rows, cols)))
+            continue
+        strategy = _backward_strategy(batch, seq, cols, x_dtype)
+        if strategy == "cudnn":
+            specs.append(NormSpec("ada_layer_norm", "bwd", rows, cols, x_dtype, param.dtype, device_index,
+                                  batch=batch, dit=dit))
+        elif strategy.startswith("per_sample"):
+            specs += norm_specs("layer_norm", seq, cols, x_dtype=x_dtype, weight_dtype=None,
+                                device_index=device_index, phases=("bwd",))
+    return specs
 
 
 # -- presets ------------------------------------------------------------------------------
@@ -248,7 +270,9 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
     Args:
         source: a spec file from :func:`record_specs`, a list of ``NormSpec``, or a preset
             name (``"llama-3-8b"``, ``"dit-xl-2"``, ...; see ``cudnorm warmup --list-presets``).
-        batch, seq, dtype: the shape and activation dtype for a preset (ignored otherwise).
+        batch: samples per step, for a preset (ignored otherwise).
+        seq: tokens per sample, for a preset (default: the preset's).
+        dtype: activation dtype, for a preset (``torch.bfloat16``, or ``"bf16"``/``"fp16"``/``"fp32"``).
         device: build on this CUDA device instead of the one each spec names.
         progress: show a progress bar.
 

@@ -43,3 +43,15 @@ def cudnorm_env(monkeypatch):
     yield setenv
     monkeypatch.undo()
     _settings.reload()
+
+
+@pytest.fixture(autouse=True)
+def _no_default_plan_store():
+    """Tests must not read or fill the user's on-disk plan store (it would turn builds into
+    loads between runs); plan-store tests install their own store."""
+    from cudnorm import _dispatch
+
+    saved = _dispatch._plan_store
+    _dispatch.set_plan_store(None)
+    yield
+    _dispatch.set_plan_store(saved)

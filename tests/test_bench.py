@@ -1,0 +1,151 @@
+"""``cudnorm bench``: the quick run end to end, the correctness gate, the arithmetic."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from cudnorm import cli
+from cudnorm._bench import accuracy, cuda_graph, host_overhead, providers, report, runner
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_quick_run_writes_checked_rows(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "bench.csv", newline="") as f:
+        assert tuple(csv.reader(f).__next__()) == report.COLUMNS
+    rows = _read_csv(tmp_path / "bench.csv")
+    ops = {r["op"] for r in rows}
+    assert {"ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd"} <= ops
+    for op in ops:
+        family = op.split("_")[0]
+        shapes = {r["shape"] for r in rows if r["op"] == op}
+        assert shapes == {"x".join(map(str, s)) for s in runner.default_shapes(family, quick=True)}
+    for r in rows:
+        if r["provider"] in ("cudnorm", "torch"):
+            assert r["status"] == "ok", r
+            assert float(r["ms"]) > 0 and float(r["gbps"]) > 0
+            assert float(r["error"]) <= float(r["bound"])
+        if r["provider"] == "cudnorm":
+            assert r["path"] and r["speedup"] and r["best_peer"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "cudnorm bench --quick --out" in (tmp_path / "summary.md").read_text()
+    out = capsys.readouterr().out  # the legend, then the tables, come last
+    assert out.rindex("Legend:") < out.rindex("\nshape ")
+    last_shape = "x".join(map(str, runner.default_shapes(rows[-1]["op"].split("_")[0], quick=True)[-1]))
+    assert out.rstrip().splitlines()[-1].startswith(last_shape)
+
+    (tmp_path / "bench.png").unlink(missing_ok=True)
+    assert cli.main(["bench", "--from-csv", str(tmp_path / "bench.csv")]) == 0
+    replot = capsys.readouterr().out
+    assert replot[replot.index("Legend:"):] == out[out.index("Legend:"):]  # same tables from the CSV
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def _scaled_torch(op, inp):
+    """A deliberately wrong provider: eager PyTorch with every output 5% too large."""
+    fn, outputs = providers.torch_setup(op, inp)
+    return fn, tuple(o * 1.05 for o in outputs)
+
+
+def _raising(op, inp):
+    raise RuntimeError("kernel exploded")
+
+
+def test_wrong_and_raising_providers_are_reported_not_timed(tmp_path, monkeypatch):
+    registry = dict(providers.REGISTRY)
+    registry["wrong"] = providers.Provider("wrong", _scaled_torch, providers.OPS)
+    registry["broken"] = providers.Provider("broken", _raising, providers.OPS)
+    monkeypatch.setattr(providers, "REGISTRY", registry)
+    argv = ["bench", "--quick", "--ops", "rms_fwd,rms_bwd", "--providers", "torch,wrong,broken", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    rows = _read_csv(tmp_path / "bench.csv")
+    by_provider = {p: [r for r in rows if r["provider"] == p] for p in ("torch", "wrong", "broken")}
+    assert len(by_provider["wrong"]) == 4  # 2 ops x 2 quick shapes
+    for r in by_provider["wrong"]:
+        assert r["status"].startswith("wrong: "), r
+        assert r["ms"] == "" and float(r["error"]) > float(r["bound"])
+    for r in by_provider["broken"]:
+        assert r["status"] == "error: RuntimeError: kernel exploded" and r["ms"] == ""
+    assert all(r["status"] == "ok" and r["ms"] for r in by_provider["torch"])
+
+
+def _row(op, provider, ms, status="ok"):
+    row = runner.blank_row(op, (32768, 4096), provider)
+    row.update(status=status, ms=ms, N=4096)
+    return row
+
+
+def test_speedup_is_best_other_provider_over_cudnorm():
+    rows = [_row("ln_bwd", "cudnorm", 1.0), _row("ln_bwd", "torch", 2.0), _row("ln_bwd", "quack", 1.5),
+            _row("ln_bwd", "liger", None, status="wrong: dx 1e-1 > 8e-3"),
+            _row("rms_bwd", "cudnorm", 2.0), _row("rms_bwd", "torch", 1.0),
+            _row("rms_fwd", "cudnorm", 1.0)]
+    report.add_speedups(rows)
+    assert (rows[0]["speedup"], rows[0]["best_peer"]) == (1.5, "quack")
+    assert (rows[4]["speedup"], rows[4]["best_peer"]) == (0.5, "torch")
+    assert rows[6]["speedup"] is None  # no peer timed: nothing to compare
+    assert all(r["speedup"] is None for r in rows if r["provider"] != "cudnorm")
+    rows[4]["pct_copy"] = 80.0
+    assert report.goal(rows[4]) == "slower than torch; <90% copy"
+    rows[0]["pct_copy"] = 95.0
+    assert report.goal(rows[0]) == "ok"
+
+
+def test_traffic_bytes_match_the_seed_formulas():
+    m, n = 64, 256
+    ln = providers.make_inputs("ln", (m, n), torch.bfloat16, "cpu")
+    rms = providers.make_inputs("rms", (m, n), torch.bfloat16, "cpu")
+    assert providers.traffic_bytes("ln_fwd", ln) == 2 * m * n * 2 + 2 * n * 4 + 2 * m * 4
+    assert providers.traffic_bytes("ln_bwd", ln) == 3 * m * n * 2 + 3 * n * 4 + 2 * m * 4
+    assert providers.traffic_bytes("rms_fwd", rms) == 2 * m * n * 2 + n * 4 + m * 4
+    assert providers.traffic_bytes("rms_bwd", rms) == 3 * m * n * 2 + 2 * n * 4 + m * 4
+    b, s, d = 2, 8, 32
+    ada = providers.make_inputs("ada", (b, s, d), torch.bfloat16, "cpu")
+    assert providers.traffic_bytes("ada_bwd", ada) == 3 * b * s * d * 2 + 3 * b * d * 2 + 2 * b * s * 4
+
+
+@pytest.mark.parametrize("family,shape", [("ln", (12, 40)), ("rms", (12, 40)), ("ada", (5, 3, 16))])
+def test_chunked_reference_equals_one_pass(family, shape, monkeypatch):
+    inp = providers.make_inputs(family, shape, torch.float32, "cpu")
+    whole = accuracy.reference(inp, with_grads=True)
+    monkeypatch.setattr(accuracy, "CHUNK_ELEMENTS", 50)  # several row chunks
+    chunked = accuracy.reference(inp, with_grads=True)
+    assert whole.keys() == chunked.keys() == {"y", "dx", *providers.quantities(family + "_bwd")[1:]}
+    for name in whole:
+        torch.testing.assert_close(chunked[name], whole[name], rtol=1e-6, atol=1e-6)
+    assert accuracy.rel_error(chunked["dx"] * 1.01, whole["dx"]) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_parse_shapes():
+    assert runner.parse_shapes("32768x4096, 4x1024x768") == [(32768, 4096), (4, 1024, 768)]
+    with pytest.raises(ValueError, match="--shapes"):
+        runner.parse_shapes("32768")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_replay_matches_eager():
+    (result,) = cuda_graph.bench(rows=(64,), iters=10)
+    assert result["match"] <= cuda_graph.MATCH_TOLERANCE
+    assert result["replay_us"] > 0 and result["eager_us"] > 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_host_overhead_times_every_call():
+    results, how = host_overhead.bench(iters=50)
+    names = [r["call"] for r in results]
+    assert any(n.startswith("Plan.run of the cached plan") for n in names), names
+    assert all(r["us_per_call"] > 0 for r in results) and "synchronize" in how
