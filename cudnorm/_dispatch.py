@@ -25,6 +25,7 @@ from ._spec import NormSpec
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
 # for a 1.1-1.5x plan difference to outweigh a few hundred ms of tuning (facts section 2).
 AUTOTUNE_MIN_ELEMENTS = 1 << 22
+_F32 = torch.float32
 
 _plan_store = None  # set by cudnorm._plan_store when the on-disk store is enabled
 
@@ -41,6 +42,19 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
     if mode == "auto":
         return phase != "bwd" and rows * cols >= AUTOTUNE_MIN_ELEMENTS
     return mode == "on"
+
+
+def spec_for(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype, device_index: int,
+             batch: int = 1) -> NormSpec:
+    """The one place a call's :class:`NormSpec` is made: ``x`` is the ``[rows, N]`` view
+    the graph reads (real or meta tensor). The ops and ``cudnorm.warmup`` both use it, so a
+    warmed-up spec is exactly the one a later call asks for. LayerNorm/RMSNorm backward
+    graphs always read an fp32 scale."""
+    rows, cols = x.shape
+    if phase == "bwd" and op != "ada_layer_norm":
+        scale_dtype = _F32
+    return NormSpec(op, phase, rows, cols, x.dtype, scale_dtype, device_index, x.stride(0), batch,
+                    autotune_wanted(op, phase, rows, cols))
 
 
 def fp32_weight_mode() -> str:
@@ -87,9 +101,6 @@ def get_plan(spec: NormSpec):
     return None if value is _cache.DECLINED else value
 
 
-_F32 = torch.float32
-
-
 def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     """The dtype a forward uses for ``param`` (weight/bias/AdaLN scale): fp32 parameters
     of a half-precision input are rounded to the input's dtype unless
@@ -101,7 +112,7 @@ def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
 
 
 def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
-    """``(scale, bias, scale_dtype, scale_cast)`` buffers for a forward graph on ``x: [M, N]``.
+    """``(scale, bias, scale_dtype)`` buffers for a forward graph on ``x: [M, N]``.
 
     Scale and bias share one dtype (``x.dtype``, or fp32 in ``native`` mode when a
     parameter is fp32). Absent weight/bias become cached ones/zeros so one graph
@@ -116,7 +127,7 @@ def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
     shift = None
     if has_bias:
         shift = constant(0.0, n, dtype, x.device) if bias is None else bias if bias.dtype is dtype else bias.to(dtype)
-    return scale, shift, dtype, False
+    return scale, shift, dtype
 
 
 _constants: dict = {}
@@ -165,7 +176,8 @@ def eager_autograd(name: str, forward, setup_context, backward) -> type:
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
 
 
-def eager() -> bool:
-    """True outside ``torch.compile`` tracing, where the op's implementation may be called
-    directly."""
-    return not torch.compiler.is_compiling()
+def eager(x: torch.Tensor) -> bool:
+    """True when ``x`` is a real tensor in an eager call, so the implementation may be
+    called directly; False under ``torch.compile`` or any tracing with tensor subclasses
+    (fake/functional tensors), which must go through the registered custom op."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()

@@ -21,16 +21,12 @@ from ._spec import NormSpec
 # Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
 UIDS = {
     "x": 1, "scale": 2, "bias": 3, "eps": 4, "y": 5, "mean": 6, "rstd": 7,
-    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11, "one": 12,
+    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11,
 }
 
 
 def roles(spec: NormSpec) -> tuple[str, ...]:
     """The buffers a graph reads and writes, in the order :meth:`Plan.run` takes them."""
-    return _io_roles(spec) + (("one",) if spec.dit else ())
-
-
-def _io_roles(spec: NormSpec) -> tuple[str, ...]:
     if spec.phase == "bwd":
         if spec.op == "rms_norm":
             return ("x", "scale", "dy", "rstd", "dx", "dscale")
@@ -58,7 +54,7 @@ def buffer_shapes(spec: NormSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         dparam = ((spec.cols,), f32)
     stat = ((spec.rows,), f32)
     table = {"x": x, "y": x, "dy": x, "dx": x, "scale": param, "bias": param, "dscale": dparam,
-             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32), "one": ((1,), f32)}
+             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32)}
     return {r: table[r] for r in roles(spec)}
 
 
@@ -104,16 +100,6 @@ def build_ir(spec: NormSpec, handle=None):
     scale = tensor("scale", pd, ps, scale_dtype)
     hs = _host_scalar_shape(spec)
     hs_stride = [1] * len(hs)
-    if spec.scale_cast:
-        # fp32 master weights: cast inside the graph so the fast engines (which want the
-        # scale in the activation dtype) serve it with no extra kernel launch.
-        scale = g.identity(input=scale, name="scale_cast")
-        scale.set_data_type(io)
-    if spec.dit:
-        one = tensor("one", hs, hs_stride, f32, is_pass_by_value=True)
-        scale = g.add(a=scale, b=one, name="one_plus_scale")
-        scale.set_data_type(f32)
-
     if spec.phase == "bwd":
         tensor("dy", xd, _packed(xd), io)
         if spec.op != "rms_norm":
@@ -133,9 +119,6 @@ def build_ir(spec: NormSpec, handle=None):
         bias = None
         if spec.op != "rms_norm":
             bias = tensor("bias", pd, ps, dt(spec.scale_dtype))
-            if spec.scale_cast:
-                bias = g.identity(input=bias, name="bias_cast")
-                bias.set_data_type(io)
         eps = tensor("eps", hs, hs_stride, f32, is_pass_by_value=True)
         phase = cudnn.norm_forward_phase.TRAINING if spec.phase == "train" else cudnn.norm_forward_phase.INFERENCE
         if spec.op == "rms_norm":
@@ -245,8 +228,8 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
     for role, (shape, dtype) in buffer_shapes(spec).items():
-        if role in ("eps", "one"):
-            out.append(host_scalar(eps if role == "eps" else 1.0, spec))
+        if role == "eps":
+            out.append(host_scalar(eps, spec))
         elif role == "rstd":
             out.append(torch.rand(shape, device=device, generator=gen).add_(0.5))
         else:

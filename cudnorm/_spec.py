@@ -19,7 +19,7 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 _FIELDS = ("op", "phase", "rows", "cols", "x_dtype", "scale_dtype", "device_index", "x_row_stride", "batch",
-           "scale_cast", "dit", "autotune")
+           "autotune")
 
 
 class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
@@ -40,17 +40,15 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
         device_index: CUDA device ordinal.
         x_row_stride: elements between consecutive rows of ``x`` (``None`` -> ``cols``, packed).
         batch: AdaLN batch size ``B`` (1 for the other ops).
-        scale_cast: the graph casts an fp32 scale/bias to ``x_dtype`` itself (forward).
-        dit: AdaLN uses ``1 + scale`` (the DiT ``modulate`` convention), added in-graph.
         autotune: plans were timed and the fastest kept, rather than heuristics' first.
     """
 
     __slots__ = ()
 
     def __new__(cls, op, phase, rows, cols, x_dtype, scale_dtype, device_index, x_row_stride=None, batch=1,
-                scale_cast=False, dit=False, autotune=False):
+                autotune=False):
         return tuple.__new__(cls, (op, phase, rows, cols, x_dtype, scale_dtype, device_index,
-                                   cols if x_row_stride is None else x_row_stride, batch, scale_cast, dit, autotune))
+                                   cols if x_row_stride is None else x_row_stride, batch, autotune))
 
     def validate(self) -> "NormSpec":
         """Raise ``ValueError`` for an unknown op/phase or a shape that is not positive."""
@@ -96,9 +94,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             parts.append(f"rs{self.x_row_stride}")
         if self.batch != 1:
             parts.append(f"b{self.batch}")
-        for flag in ("scale_cast", "dit", "autotune"):
-            if getattr(self, flag):
-                parts.append(flag)
+        if self.autotune:
+            parts.append("autotune")
         return "-".join(parts)
 
 

@@ -19,7 +19,6 @@ import torch
 
 from . import _checks, _dispatch
 from ._graphs import host_scalar
-from ._spec import NormSpec
 
 _OP = "layer_norm"
 _EMPTY = (0,)
@@ -35,10 +34,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        scale, shift, scale_dtype, cast = _dispatch.forward_params(x, weight, bias, has_bias=True)
-        phase = "train" if training else "infer"
-        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x.stride(0), 1, cast, False,
-                        _dispatch.autotune_wanted(_OP, phase, m, n))
+        scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=True)
+        spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, x.device.index)
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -74,8 +71,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x.stride(0),
-                        autotune=_dispatch.autotune_wanted(_OP, "bwd", m, n))
+        spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
@@ -123,20 +119,26 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    if mean.numel() == 0:
-        raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
-                           "(the forward ran without grad mode, so no statistics were saved)")
-    backward = _backward_impl if _dispatch.eager() else layer_norm_bwd
-    dx, dw, db = backward(dy, x, weight, mean, rstd)
-    dweight = None if weight is None else dw.to(weight.dtype)
-    dbias = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
-    return dx, dweight, dbias, None, None
+def _make_backward(backward_fn):
+    """The autograd backward, calling ``backward_fn``: the custom op when registered for
+    traced graphs, the plain implementation in the eager ``autograd.Function``."""
+
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if mean.numel() == 0:
+            raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
+                               "(the forward ran without grad mode, so no statistics were saved)")
+        dx, dw, db = backward_fn(dy, x, weight, mean, rstd)
+        dweight = None if weight is None else dw.to(weight.dtype)
+        dbias = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
+        return dx, dweight, dbias, None, None
+
+    return backward
 
 
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _setup_context, _backward)
+layer_norm_fwd.register_autograd(_make_backward(layer_norm_bwd), setup_context=_setup_context)
+_LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _setup_context,
+                                              _make_backward(_backward_impl))
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
@@ -165,7 +167,7 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     b = bias if bias is None or flat else bias.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
                                             or (bias is not None and bias.requires_grad))
-    if not _dispatch.eager():
+    if not _dispatch.eager(input):
         y = layer_norm_fwd(x, w, b, eps, training)[0]
     elif training:
         y = _LayerNormFunction.apply(x, w, b, eps, training)[0]

@@ -17,7 +17,6 @@ import torch
 
 from . import _checks, _dispatch
 from ._graphs import host_scalar
-from ._spec import NormSpec
 
 _OP = "rms_norm"
 _EMPTY = (0,)
@@ -32,10 +31,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        scale, _, scale_dtype, cast = _dispatch.forward_params(x, weight, None, has_bias=False)
-        phase = "train" if training else "infer"
-        spec = NormSpec(_OP, phase, m, n, x.dtype, scale_dtype, x.device.index, x.stride(0), 1, cast, False,
-                        _dispatch.autotune_wanted(_OP, phase, m, n))
+        scale, _, scale_dtype = _dispatch.forward_params(x, weight, None, has_bias=False)
+        spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, x.device.index)
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -65,8 +62,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     m, n = x.shape
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
-        spec = NormSpec(_OP, "bwd", m, n, x.dtype, torch.float32, x.device.index, x.stride(0),
-                        autotune=_dispatch.autotune_wanted(_OP, "bwd", m, n))
+        spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
         plan = _dispatch.get_plan(spec)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
@@ -108,18 +104,24 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
 
 
-def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    if rstd.numel() == 0:
-        raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
-                           "(the forward ran without grad mode, so no statistics were saved)")
-    backward = _backward_impl if _dispatch.eager() else rms_norm_bwd
-    dx, dw = backward(dy, x, weight, rstd)
-    return dx, None if weight is None else dw.to(weight.dtype), None, None
+def _make_backward(backward_fn):
+    """The autograd backward, calling ``backward_fn``: the custom op when registered for
+    traced graphs, the plain implementation in the eager ``autograd.Function``."""
+
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        if rstd.numel() == 0:
+            raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
+                               "(the forward ran without grad mode, so no statistics were saved)")
+        dx, dw = backward_fn(dy, x, weight, rstd)
+        return dx, None if weight is None else dw.to(weight.dtype), None, None
+
+    return backward
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup_context, _backward)
+rms_norm_fwd.register_autograd(_make_backward(rms_norm_bwd), setup_context=_setup_context)
+_RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup_context,
+                                            _make_backward(_backward_impl))
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
@@ -145,7 +147,7 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     x = input if flat else input.reshape(-1, n)
     w = weight if weight is None or flat else weight.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
-    if not _dispatch.eager():
+    if not _dispatch.eager(input):
         y = rms_norm_fwd(x, w, eps, training)[0]
     elif training:
         y = _RMSNormFunction.apply(x, w, eps, training)[0]

@@ -108,26 +108,17 @@ def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dt
     ``[rows, cols]`` input of ``x_dtype`` with weights of ``weight_dtype`` (``None``: no
     affine parameters), under the current ``CUDNORM_*`` policies.
 
-    The scale dtype and in-graph cast come from the ops' own rule
-    (``_dispatch.forward_params``, evaluated on meta tensors); the rest mirrors the
-    ``NormSpec(...)`` calls in layer_norm.py/rms_norm.py, which tests/test_warmup.py checks
-    against specs recorded from the ops themselves.
+    The scale dtype comes from the ops' own rule (``_dispatch.forward_params`` on meta
+    tensors) and the spec from the ops' own constructor (``_dispatch.spec_for``);
+    tests/test_warmup.py checks them against specs recorded from the ops themselves.
     """
     if op not in ("layer_norm", "rms_norm"):
         raise ValueError(f"cudnorm.warmup: argument 'op' must be 'layer_norm' or 'rms_norm', got {op!r}")
     x = torch.empty((rows, cols), dtype=x_dtype, device="meta")
     param = None if weight_dtype is None else torch.empty(cols, dtype=weight_dtype, device="meta")
     has_bias = op == "layer_norm"
-    _, _, scale_dtype, cast = _dispatch.forward_params(x, param, param if has_bias else None, has_bias=has_bias)
-    specs = []
-    for phase in phases:
-        autotune = _dispatch.autotune_wanted(op, phase, rows, cols)
-        if phase == "bwd":  # the backward always reads an fp32 scale
-            specs.append(NormSpec(op, "bwd", rows, cols, x_dtype, torch.float32, device_index, autotune=autotune))
-        else:
-            specs.append(NormSpec(op, phase, rows, cols, x_dtype, scale_dtype, device_index, scale_cast=cast,
-                                  autotune=autotune))
-    return specs
+    _, _, scale_dtype = _dispatch.forward_params(x, param, param if has_bias else None, has_bias=has_bias)
+    return [_dispatch.spec_for(op, phase, x, scale_dtype, device_index) for phase in phases]
 
 
 def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, device_index: int,

@@ -20,7 +20,7 @@ def _spec(rows=8, **kw):
 def test_key_is_value_based_and_eps_free():
     assert _spec() == _spec() and hash(_spec()) == hash(_spec())
     distinct = {_spec(), _spec(rows=9), _spec(phase="infer"), _spec(x_dtype=torch.float16),
-                _spec(scale_dtype=torch.float32, scale_cast=True), _spec(device_index=1), _spec(x_row_stride=128),
+                _spec(scale_dtype=torch.float32), _spec(device_index=1), _spec(x_row_stride=128),
                 _spec(autotune=True), _spec(op="rms_norm")}
     assert len(distinct) == 9
     assert "eps" not in NormSpec._fields
@@ -116,13 +116,13 @@ def test_policies_from_environment(cudnorm_env):
 def test_forward_params_rounds_fp32_weights_for_half_inputs(cudnorm_env):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     w, b = torch.randn(8), torch.randn(8)
-    scale, shift, dtype, cast = _dispatch.forward_params(x, w, b, has_bias=True)
-    assert dtype == torch.bfloat16 and not cast and scale.dtype == shift.dtype == torch.bfloat16
+    scale, shift, dtype = _dispatch.forward_params(x, w, b, has_bias=True)
+    assert dtype == torch.bfloat16 and scale.dtype == shift.dtype == torch.bfloat16
     cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "native")
-    scale, shift, dtype, cast = _dispatch.forward_params(x, w, None, has_bias=True)
+    scale, shift, dtype = _dispatch.forward_params(x, w, None, has_bias=True)
     assert dtype == torch.float32 and scale is w, "no copy"
     assert torch.equal(shift, torch.zeros(8)), "an absent bias is a zeros vector"
-    scale, _, _, _ = _dispatch.forward_params(x, None, None, has_bias=False)
+    scale, _, _ = _dispatch.forward_params(x, None, None, has_bias=False)
     assert torch.equal(scale, torch.ones(8, dtype=torch.bfloat16))
 
 

@@ -64,23 +64,6 @@ def _expected_dtype(spec, role):
     return spec.scale_dtype
 
 
-def test_scale_cast_inserts_identity_pointwise():
-    spec = _spec("layer_norm", "train", torch.bfloat16, torch.float32, scale_cast=True)
-    info, io = _io(_graphs.build_ir(spec)[0])
-    casts = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
-    assert len(casts) == 2 and all(n["params"]["mode"] == "identity" for n in casts)
-    assert str(io["scale"]["dtype"]).endswith("FLOAT") and str(io["x"]["dtype"]).endswith("BFLOAT16")
-
-
-def test_dit_convention_adds_one_in_graph():
-    spec = _spec("ada_layer_norm", "train", dit=True)
-    graph, uids = _graphs.build_ir(spec)
-    info, io = _io(graph)
-    adds = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
-    assert [n["params"]["mode"] for n in adds] == ["add"]
-    assert io["one"]["uid"] == _graphs.UIDS["one"] and uids[-1] == _graphs.UIDS["one"]
-
-
 def test_padded_rows_layout():
     spec = NormSpec("rms_norm", "train", 8, 100, torch.bfloat16, torch.bfloat16, 0, x_row_stride=128)
     _, io = _io(_graphs.build_ir(spec)[0])
@@ -90,9 +73,9 @@ def test_padded_rows_layout():
 
 
 def test_spec_json_round_trip_and_slug():
-    spec = NormSpec("ada_layer_norm", "bwd", 1024, 768, torch.float16, torch.float32, 1, batch=4, dit=True)
+    spec = NormSpec("ada_layer_norm", "bwd", 1024, 768, torch.float16, torch.float32, 1, batch=4, autotune=True)
     assert NormSpec.from_json(spec.to_json()) == spec
-    assert spec.slug() == "ada_layer_norm-bwd-1024x768-float16-sfloat32-cuda1-b4-dit"
+    assert spec.slug() == "ada_layer_norm-bwd-1024x768-float16-sfloat32-cuda1-b4-autotune"
     with pytest.raises(ValueError, match="unknown NormSpec field"):
         NormSpec.from_json({**spec.to_json(), "bogus": 1})
     with pytest.raises(ValueError, match="unknown op"):
