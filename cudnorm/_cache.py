@@ -33,6 +33,8 @@ class CacheInfo:
     evictions: int = 0
     size: int = 0
     capacity: int = 0
+    chunked_calls: int = 0  # calls served by row-chunk graphs (cudnorm._rows)
+    small_rows_fallbacks: int = 0  # calls of a variable-rows family too short to chunk: PyTorch ran
 
 
 class PlanCache:
@@ -95,6 +97,14 @@ class PlanCache:
             else:
                 self._info.builds += 1
                 self._info.build_seconds += seconds
+
+    def record_rows_path(self, *, chunked: bool) -> None:
+        """Count a call that :mod:`cudnorm._rows` served by chunks, or sent to PyTorch."""
+        with self._lock:
+            if chunked:
+                self._info.chunked_calls += 1
+            else:
+                self._info.small_rows_fallbacks += 1
 
     def specs(self) -> list[NormSpec]:
         """The cached specs, least recently used first."""

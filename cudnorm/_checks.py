@@ -94,7 +94,7 @@ def norm_call(op: str, input, normalized_shape, params: dict, eps) -> tuple[int,
         if fast:
             for p in params.values():
                 if p is not None and (p.shape != shape or (p.dtype is not input.dtype and p.dtype is not _F32)
-                                      or p.device != input.device):
+                                      or p.get_device() != input.get_device() or p.is_meta != input.is_meta):
                     fast = False
                     break
     except TypeError:

@@ -25,6 +25,8 @@ from ._spec import NormSpec
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
 # for a 1.1-1.5x plan difference to outweigh a few hundred ms of tuning (facts section 2).
 AUTOTUNE_MIN_ELEMENTS = 1 << 22
+# Above this the measured gain was <= 1.07x while tuning cost minutes (N >= 65536).
+AUTOTUNE_MAX_ELEMENTS = 1 << 30
 _F32 = torch.float32
 
 _plan_store = None  # set by cudnorm._plan_store when the on-disk store is enabled
@@ -40,7 +42,7 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
     """Whether a new graph for this call should be autotuned (``CUDNORM_AUTOTUNE``)."""
     mode = _settings.current.autotune
     if mode == "auto":
-        return phase != "bwd" and rows * cols >= AUTOTUNE_MIN_ELEMENTS
+        return phase != "bwd" and AUTOTUNE_MIN_ELEMENTS <= rows * cols < AUTOTUNE_MAX_ELEMENTS
     return mode == "on"
 
 
@@ -154,9 +156,7 @@ def cudnn_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def route(x: torch.Tensor) -> str | None:
-    """``None`` when cuDNN may serve ``x``; else why the PyTorch path runs."""
-    return _runtime.route(x)
+route = _runtime.route  # ``None`` when cuDNN may serve a tensor; else why PyTorch's kernels run
 
 
 def eager_autograd(name: str, forward, setup_context, backward) -> type:

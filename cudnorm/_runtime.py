@@ -78,14 +78,16 @@ def _arch_ok(device_index: int) -> bool:
 
 
 def route(tensor: torch.Tensor) -> str | None:
-    """``None`` when cuDNN can serve an op on ``tensor``, else the reason it cannot."""
-    if tensor.device.type != "cuda":
+    """``None`` when cuDNN can serve an op on ``tensor``, else the reason it cannot.
+    Runs on every call: attribute reads and memoised answers only."""
+    if not tensor.is_cuda:
         return f"{tensor.device.type} tensor"
     status = cudnn_status()
     if not status.available:
         return status.reason
-    if not _arch_ok(tensor.device.index):
-        cap = torch.cuda.get_device_capability(tensor.device.index)
+    index = tensor.get_device()
+    if not _arch_ok(index):
+        cap = torch.cuda.get_device_capability(index)
         return f"compute capability {cap[0]}.{cap[1]} is below {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
     return None
 

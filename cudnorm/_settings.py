@@ -10,6 +10,13 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
                              rounded to its dtype for the forward), ``native`` (the forward
                              reads fp32 weights: cuDNN 9.19's slow generic engine)
 ``CUDNORM_CACHE_SIZE``       plans kept in memory (default 512)
+``CUDNORM_EXACT_ROWS``       row counts per norm family that get their own graph (default 1);
+                             later counts run on shared row-chunk graphs (``cudnorm._rows``)
+``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
+                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``, ``torch``
+``CUDNORM_ADA_BWD``          AdaLN backward strategy: ``auto`` (default), ``cudnn``,
+                             ``per_sample``, ``per_sample_graph``, ``torch``
+``CUDNORM_ADA_GRAPH_CACHE``  captured AdaLN backward CUDA graphs kept (default 64; 0: no capture)
 ==========================  =================================================================
 """
 
@@ -20,7 +27,9 @@ from dataclasses import dataclass
 
 _CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "always": "on",
                                  "0": "off", "off": "off", "false": "off", "no": "off", "never": "off"},
-            "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"}}
+            "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"},
+            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")},
+            "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "per_sample_graph", "torch")}}
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,10 @@ class Settings:
     autotune: str  # "auto" | "on" | "off"
     fp32_weight_fwd: str  # "round" | "native"
     cache_size: int
+    exact_rows: int
+    ada_forward: str  # "auto" | an AdaLN forward strategy (cudnorm.ada_layer_norm)
+    ada_backward: str  # "auto" | an AdaLN backward strategy
+    ada_graph_cache: int
 
 
 def _choice(name: str, default: str) -> str:
@@ -37,6 +50,13 @@ def _choice(name: str, default: str) -> str:
         return _CHOICES[name][raw]
     except KeyError:
         raise ValueError(f"cudnorm: {name} must be one of {sorted(set(_CHOICES[name]))}, got {raw!r}") from None
+
+
+def _count(name: str, default: str) -> int:
+    raw = os.environ.get(name, default).strip()
+    if not raw.isdigit():
+        raise ValueError(f"cudnorm: {name} must be an integer >= 0, got {raw!r}")
+    return int(raw)
 
 
 def _read() -> Settings:
@@ -52,6 +72,10 @@ def _read() -> Settings:
         autotune=_choice("CUDNORM_AUTOTUNE", "auto"),
         fp32_weight_fwd=_choice("CUDNORM_FP32_WEIGHT_FWD", "round"),
         cache_size=size,
+        exact_rows=_count("CUDNORM_EXACT_ROWS", "1"),
+        ada_forward=_choice("CUDNORM_ADA_FWD", "auto"),
+        ada_backward=_choice("CUDNORM_ADA_BWD", "auto"),
+        ada_graph_cache=_count("CUDNORM_ADA_GRAPH_CACHE", "64"),
     )
 
 

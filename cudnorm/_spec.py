@@ -19,7 +19,7 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 _FIELDS = ("op", "phase", "rows", "cols", "x_dtype", "scale_dtype", "device_index", "x_row_stride", "batch",
-           "autotune")
+           "autotune", "dynamic")
 
 
 class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
@@ -41,14 +41,16 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
         x_row_stride: elements between consecutive rows of ``x`` (``None`` -> ``cols``, packed).
         batch: AdaLN batch size ``B`` (1 for the other ops).
         autotune: plans were timed and the fastest kept, rather than heuristics' first.
+        dynamic: built as a dynamic-shape graph sharing a kernel cache with its siblings
+            (the row-chunk graphs of :mod:`cudnorm._rows`: later builds reuse compiled kernels).
     """
 
     __slots__ = ()
 
     def __new__(cls, op, phase, rows, cols, x_dtype, scale_dtype, device_index, x_row_stride=None, batch=1,
-                autotune=False):
+                autotune=False, dynamic=False):
         return tuple.__new__(cls, (op, phase, rows, cols, x_dtype, scale_dtype, device_index,
-                                   cols if x_row_stride is None else x_row_stride, batch, autotune))
+                                   cols if x_row_stride is None else x_row_stride, batch, autotune, dynamic))
 
     def validate(self) -> "NormSpec":
         """Raise ``ValueError`` for an unknown op/phase or a shape that is not positive."""
@@ -96,6 +98,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             parts.append(f"b{self.batch}")
         if self.autotune:
             parts.append("autotune")
+        if self.dynamic:
+            parts.append("dynamic")
         return "-".join(parts)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _rows
 from ._graphs import host_scalar
 
 _OP = "layer_norm"
@@ -31,22 +31,40 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     Returns ``(y [M, N] x.dtype, mean [M] fp32, rstd [M] fp32)``; with ``training=False``
     the inference graph runs and ``mean``/``rstd`` are empty.
     """
+    out = _cudnn_forward(x, weight, bias, eps, training) if _dispatch.route(x) is None else None
+    if out is None:
+        return _torch_forward(x, weight, bias, eps, training)
+    y, mean, rstd = out
+    if not training:
+        mean, rstd = x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
+    return y, mean, rstd
+
+
+def _cudnn_forward(x, weight, bias, eps, training):
+    """``(y, mean, rstd)`` from the cuDNN graph (stats ``None`` when not training), or
+    ``None`` when cuDNN declines. The hot path of every call: keep it lean."""
+    x = _dispatch.cudnn_rows(x)
     m, n = x.shape
-    if _dispatch.route(x) is None:
-        x = _dispatch.cudnn_rows(x)
-        scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=True)
-        spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, x.device.index)
-        plan = _dispatch.get_plan(spec)
-        if plan is not None:
-            y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-            if training:
-                mean = torch.empty(m, dtype=torch.float32, device=x.device)
-                rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-                plan.run(x, scale, shift, host_scalar(eps, spec), y, mean, rstd)
-                return y, mean, rstd
-            plan.run(x, scale, shift, host_scalar(eps, spec), y)
-            return y, x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
-    return _torch_forward(x, weight, bias, eps, training)
+    device = x.device
+    scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=True)
+    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, device.index)
+    plan = _rows.plan_or_chunks(spec)
+    if plan is None:
+        return None
+    y = torch.empty((m, n), dtype=x.dtype, device=device)
+    if not training:
+        plan.run(x, scale, shift, host_scalar(eps, spec), y)
+        return y, None, None
+    mean = torch.empty(m, dtype=torch.float32, device=device)
+    rstd = torch.empty(m, dtype=torch.float32, device=device)
+    plan.run(x, scale, shift, host_scalar(eps, spec), y, mean, rstd)
+    return y, mean, rstd
+
+
+def _infer(x, weight, bias, eps) -> torch.Tensor:
+    """Eager inference: ``y`` only (no empty statistics tensors to allocate)."""
+    out = _cudnn_forward(x, weight, bias, eps, False) if _dispatch.route(x) is None else None
+    return out[0] if out is not None else _torch_forward(x, weight, bias, eps, False)[0]
 
 
 def _torch_forward(x, weight, bias, eps, training):
@@ -72,7 +90,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
         spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
-        plan = _dispatch.get_plan(spec)
+        plan = _rows.plan_or_chunks(spec)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
             dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -149,7 +167,8 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     Args:
         input: ``[*, *normalized_shape]``, float16/bfloat16/float32, any strides.
         normalized_shape: the trailing dims to normalise over.
-        weight, bias: ``normalized_shape``-shaped, float32 or ``input.dtype``, or ``None``.
+        weight: ``normalized_shape``-shaped, float32 or ``input.dtype``, or ``None``.
+        bias: like ``weight``.
         eps: added to the variance; finite and >= 0.
 
     Returns:
@@ -172,5 +191,5 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     elif training:
         y = _LayerNormFunction.apply(x, w, b, eps, training)[0]
     else:
-        y = _forward(x, w, b, eps, False)[0]
+        y = _infer(x, w, b, eps)
     return y if flat else y.view(input.shape)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _rows
 from ._graphs import host_scalar
 
 _OP = "rms_norm"
@@ -23,26 +23,42 @@ _EMPTY = (0,)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                 training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on ``x: [M, N]``; ``weight``: ``[N]`` fp32 or x's dtype, or None.
 
     Returns ``(y [M, N] x.dtype, rstd [M] fp32)``; ``rstd`` is empty with ``training=False``.
     """
+    out = _cudnn_forward(x, weight, eps, training) if _dispatch.route(x) is None else None
+    if out is None:
+        return _torch_forward(x, weight, eps, training)
+    y, rstd = out
+    return y, rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
+
+
+def _cudnn_forward(x, weight, eps, training):
+    """``(y, rstd)`` from the cuDNN graph (``rstd`` ``None`` when not training), or ``None``
+    when cuDNN declines. The hot path of every call: keep it lean."""
+    x = _dispatch.cudnn_rows(x)
     m, n = x.shape
-    if _dispatch.route(x) is None:
-        x = _dispatch.cudnn_rows(x)
-        scale, _, scale_dtype = _dispatch.forward_params(x, weight, None, has_bias=False)
-        spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, x.device.index)
-        plan = _dispatch.get_plan(spec)
-        if plan is not None:
-            y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-            if training:
-                rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-                plan.run(x, scale, host_scalar(eps, spec), y, rstd)
-                return y, rstd
-            plan.run(x, scale, host_scalar(eps, spec), y)
-            return y, x.new_empty(_EMPTY, dtype=torch.float32)
-    return _torch_forward(x, weight, eps, training)
+    device = x.device
+    scale, _, scale_dtype = _dispatch.forward_params(x, weight, None, has_bias=False)
+    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, device.index)
+    plan = _rows.plan_or_chunks(spec)
+    if plan is None:
+        return None
+    y = torch.empty((m, n), dtype=x.dtype, device=device)
+    if not training:
+        plan.run(x, scale, host_scalar(eps, spec), y)
+        return y, None
+    rstd = torch.empty(m, dtype=torch.float32, device=device)
+    plan.run(x, scale, host_scalar(eps, spec), y, rstd)
+    return y, rstd
+
+
+def _infer(x, weight, eps) -> torch.Tensor:
+    """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
+    out = _cudnn_forward(x, weight, eps, False) if _dispatch.route(x) is None else None
+    return out[0] if out is not None else _torch_forward(x, weight, eps, False)[0]
 
 
 def _torch_forward(x, weight, eps, training):
@@ -63,7 +79,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     if _dispatch.route(x) is None:
         x = _dispatch.cudnn_rows(x)
         spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
-        plan = _dispatch.get_plan(spec)
+        plan = _rows.plan_or_chunks(spec)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
             dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -152,5 +168,5 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     elif training:
         y = _RMSNormFunction.apply(x, w, eps, training)[0]
     else:
-        y = _forward(x, w, eps, False)[0]
+        y = _infer(x, w, eps)
     return y if flat else y.view(input.shape)
