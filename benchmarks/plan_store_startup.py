@@ -56,7 +56,7 @@ def child(op: str, rows: int, cols: int) -> None:
 
 
 def spawn(op: str, rows: int, cols: int, store: str) -> dict:
-    env = {**os.environ, "CUDNORM_PLAN_STORE_DIR": store, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDNORM_PLAN_STORE_DIR": store, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("CUDNORM_PLAN_STORE", None)
     proc = subprocess.run([sys.executable, __file__, "--child", op, str(rows), str(cols)], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -92,7 +92,7 @@ def worker(args) -> None:
 
 
 def run_mode(args, op: str, mode: str) -> dict:
-    env = {**os.environ, "CUDNORM_PLAN_STORE": "0", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDNORM_PLAN_STORE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if mode == "exact":
         env["CUDNORM_EXACT_ROWS"] = str(args.counts + 1)
     cmd = [sys.executable, __file__, "--worker", "--op", op, "--counts", str(args.counts), "--seed", str(args.seed),

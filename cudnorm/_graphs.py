@@ -285,3 +285,22 @@ def _time_plans(g, spec: NormSpec, reps: int = 20) -> dict[int, float]:
     if not timings:
         raise RuntimeError(f"cudnorm: autotuning {spec.slug()}: no plan ran")
     return timings
+
+
+def serialize_plan(plan: Plan) -> bytes:
+    """The finalised plan of ``plan`` in cuDNN's binary format (34-98 KB for norm graphs)."""
+    return bytes(plan.graph.serialize(as_bytes=True))
+
+
+def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized") -> Plan:
+    """Rebuild a runnable :class:`Plan` from :func:`serialize_plan` output (6-30 ms instead
+    of a 0.1-1.4 s build). Raises if the blob does not load on this device/library."""
+    cudnn = _runtime.cudnn_module()
+    start = time.perf_counter()
+    with torch.cuda.device(spec.device_index):
+        h = _runtime.handle(spec.device_index)
+        g = cudnn.pygraph(handle=h)
+        g.deserialize(h, blob)
+        workspace = int(g.get_workspace_size())
+    uids = tuple(UIDS[r] for r in roles(spec))
+    return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import platform
 
 import torch
 
-from . import _cache, _runtime
+from . import _cache, _rows, _runtime
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -19,8 +20,11 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached plan and reset the counters (the on-disk store is untouched)."""
+    """Drop every cached plan, the row-count history of the chunking policy and the
+    counters (the on-disk store is untouched)."""
     _cache.plans.clear()
+    _rows.reset()
+    importlib.import_module("cudnorm.ada_layer_norm").clear_captured_graphs()  # its CUDA graphs hold plans
 
 
 def serving_path(op: str, input: torch.Tensor | None = None) -> str:

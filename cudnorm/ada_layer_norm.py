@@ -1,58 +1,79 @@
-"""Adaptive LayerNorm (AdaLN) on cuDNN graphs: custom ops, backward strategies, functional.
+"""Adaptive LayerNorm (AdaLN) on cuDNN graphs: strategies, custom ops, autograd, functional.
 
 Math, per sample ``b`` and token row ``x`` of ``D`` elements (non-affine LayerNorm)::
 
     xhat = (x - mean) * rstd,   rstd = 1 / sqrt(var + eps)
-    y = xhat * scale[b] + shift[b]          (one_plus_scale=False)
-    y = xhat * (1 + scale[b]) + shift[b]    (one_plus_scale=True: DiT's ``modulate``)
+    y = xhat * gain[b] + shift[b],   gain = 1 + scale (one_plus_scale=True: DiT's ``modulate``)
+                                     gain = scale     (one_plus_scale=False)
 
-The ops work on ``x: [B, S, D]`` and ``scale``/``shift``: ``[B, D]``. The DiT ``1 + scale``
-is an in-graph add (no extra pass over ``x``).
+The implementation works on ``x: [B, S, D]`` and ``scale``/``shift``: ``[B, D]``. The gain is
+computed here in PyTorch (``B*D`` elements, one small kernel): cuDNN 9.19 declines an
+in-graph ``add(scale, 1)`` in the adalayernorm graph. Eager calls run the implementation
+directly (through an ``autograd.Function`` when grad is needed); traced calls go through the
+``cudnorm::ada_layer_norm_*`` custom ops, as in :mod:`cudnorm.layer_norm`.
 
-Backward strategies (``choose_backward`` picks one per shape, ``CUDNORM_ADA_BWD`` forces one):
+Forward strategies (:data:`FORWARD_RULES`, ``CUDNORM_ADA_FWD`` forces one):
 
-* ``cudnn``: cuDNN's adalayernorm backward graph. Always applicable, but slow in cuDNN 9.19
-  for many short samples (32x256x1152: one generic engine, 16 GB/s).
-* ``per_sample``: the plain LayerNorm backward graph (``S`` rows) run once per sample with
-  the fp32 gain ``(1 + scale[b])``; its dW/dB are that sample's dscale/dshift. Fast for long
-  samples, launch-bound (B launches of ~15 us host time each) for short ones.
-* ``per_sample_graph``: the same B launches captured once into a CUDA graph and replayed.
-  See :class:`_CapturedBackward` for what is keyed, what is static and what memory it keeps.
-* ``torch``: the fp32 PyTorch formula (also the CPU path).
+* ``cudnn``: cuDNN's adalayernorm forward graph, one launch.
+* ``per_sample``: the plain LayerNorm forward graph (``S`` rows, autotuned for large
+  samples) launched once per sample with weight ``gain[b]`` and bias ``shift[b]``.
+* ``torch``: PyTorch's kernels in fp32 (also the CPU path).
 
-An unavailable strategy falls through to the next one (``per_sample_graph`` ->
-``per_sample`` -> ``cudnn`` -> ``torch``; ``cudnn`` -> ``per_sample``), so forcing one never
-changes results, only speed.
+Backward strategies (:data:`BACKWARD_RULES`, ``CUDNORM_ADA_BWD`` forces one):
+
+* ``cudnn``: cuDNN's adalayernorm backward graph (slow in 9.19 for many short samples).
+* ``per_sample``: the plain LayerNorm backward graph run once per sample with the fp32
+  gain as its weight; its dW/dB are that sample's dscale/dshift.
+* ``per_sample_graph``: the same launches captured once into a CUDA graph and replayed
+  (see :class:`_CapturedLaunches`).
+* ``torch``: the fp32 PyTorch formula.
+
+A strategy that cannot serve a call (an unaligned layout, a declined graph, an outer CUDA
+graph capture) falls through to the next one (:data:`_FORWARD_ORDER`, :data:`_BACKWARD_ORDER`),
+so forcing one changes speed, never the function computed.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _dispatch, _runtime
+from . import _checks, _dispatch, _runtime, _settings
 from . import reference as ref
 from ._graphs import host_scalar
 from ._spec import NormSpec
 
 _OP = "ada_layer_norm"
 _EMPTY = (0,)
-STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")
+_F32 = torch.float32
+FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
+STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")  # backward
 
-# (rule, strategy) rows, first match wins. Provisional, from facts §4 (H200, bf16): the
-# per-sample LayerNorm backward beats torch.compile once a sample has >= 1024 tokens;
-# below that it is launch-bound, and a CUDA graph of the launches recovers it when there are
-# many samples. To be reset from benchmarks/ada_backward_strategies.py measurements.
-BACKWARD_RULES = (
-    (lambda b, s, d, dtype: s >= 1024, "per_sample"),
-    (lambda b, s, d, dtype: b > 8, "per_sample_graph"),
+# (rule(b, s, d, dtype), strategy) rows, first match wins. Provisional, from the H200 bf16
+# measurements of benchmarks/ada_backward_strategies.py; to be reset from its summary table.
+FORWARD_RULES = (
+    # long, wide samples: the autotuned LayerNorm plans reach ~94% of copy bandwidth
+    (lambda b, s, d, dtype: s >= 2048 and d >= 2048, "per_sample"),
     (lambda b, s, d, dtype: True, "cudnn"),
 )
+BACKWARD_RULES = (
+    (lambda b, s, d, dtype: b <= 8 and s >= 4096 and d <= 1536, "cudnn"),
+    (lambda b, s, d, dtype: b == 1, "per_sample"),  # a graph of one launch saves nothing
+    (lambda b, s, d, dtype: True, "per_sample_graph"),
+)
+_FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"), "torch": ()}
+_BACKWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
+                   "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
+
+
+def choose_forward(b: int, s: int, d: int, dtype: torch.dtype) -> str:
+    """The forward strategy for ``x: [b, s, d]`` of ``dtype`` (first matching rule)."""
+    return next(name for rule, name in FORWARD_RULES if rule(b, s, d, dtype))
 
 
 def choose_backward(b: int, s: int, d: int, dtype: torch.dtype) -> str:
@@ -60,303 +81,278 @@ def choose_backward(b: int, s: int, d: int, dtype: torch.dtype) -> str:
     return next(name for rule, name in BACKWARD_RULES if rule(b, s, d, dtype))
 
 
-def _backward_strategy(b: int, s: int, d: int, dtype: torch.dtype) -> str:
-    forced = os.environ.get("CUDNORM_ADA_BWD", "").strip().lower()
-    if not forced:
-        return choose_backward(b, s, d, dtype)
-    if forced not in STRATEGIES:
-        raise ValueError(f"cudnorm: CUDNORM_ADA_BWD must be one of {STRATEGIES}, got {forced!r}")
-    return forced
+def _forward_strategy(b: int, s: int, d: int, dtype: torch.dtype) -> str:
+    forced = _settings.current.ada_forward
+    return choose_forward(b, s, d, dtype) if forced == "auto" else forced
 
+
+def _backward_strategy(b: int, s: int, d: int, dtype: torch.dtype) -> str:
+    forced = _settings.current.ada_backward
+    return choose_backward(b, s, d, dtype) if forced == "auto" else forced
+
+
+# ---------------------------------------------------------------- shared helpers
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` packed with a 16-byte aligned base pointer (what cuDNN's tensor descriptors
-    promise); a chunk of a Linear output is often neither."""
+    promise); a chunk of a Linear output is often neither. Copies only when needed."""
     if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _forward_dtype(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.dtype:
+    """The dtype the forward reads gain and shift in: ``_dispatch.forward_params``' rule for
+    a pair (fp32 only when either is fp32 and ``CUDNORM_FP32_WEIGHT_FWD=native``)."""
+    return _dispatch.forward_param_dtype(x, scale if scale.dtype is _F32 else shift)
+
+
+def _gain(scale: torch.Tensor, dit: bool, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-sample multiplier, ``[B, D]`` of ``dtype``, aligned for cuDNN (or written to
+    ``out``). ``1 + scale`` is added in fp32 and rounded once to ``dtype``, as PyTorch's
+    eager bf16 ``1 + scale`` rounds it."""
+    if not dit:
+        if out is not None:
+            return out.copy_(scale)
+        return _aligned(scale if scale.dtype is dtype else scale.to(dtype))
+    one = _dispatch.constant(1.0, scale.shape[-1], _F32, scale.device)  # fp32 operand: fp32 sum
+    if out is None:
+        out = torch.empty(scale.shape, dtype=dtype, device=scale.device)
+    return torch.add(scale, one, out=out)
+
+
+def _per_sample_fits(s: int, row_stride: int, d: int, x_itemsize: int, param_itemsize: int = 0) -> bool:
+    """Whether each sample's block of ``x`` (rows ``row_stride`` apart), of the packed
+    ``y``/``dy``/``dx`` and (``param_itemsize``) each ``[B, D]`` parameter row starts 16-byte
+    aligned, as the per-sample LayerNorm graphs' descriptors require."""
+    return not ((s * row_stride * x_itemsize) % 16 or (s * d * x_itemsize) % 16 or (d * param_itemsize) % 16)
+
+
+def _padded_rows(b: int, n: int, device: torch.device) -> torch.Tensor:
+    """An fp32 ``[b, n]`` view whose rows start 16-byte aligned (rows padded to 4 elements)."""
+    return torch.empty((b, -(-n // 4) * 4), dtype=_F32, device=device)[:, :n]
+
+
 # ---------------------------------------------------------------- forward
 
-@torch.library.custom_op("cudnorm::ada_layer_norm_fwd", mutates_args=())
-def ada_layer_norm_fwd(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
-                       one_plus_scale: bool, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, one_plus_scale: bool,
+             training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward on ``x: [B, S, D]``; ``scale``/``shift``: ``[B, D]``, fp32 or x's dtype.
 
     Returns ``(y [B, S, D] x.dtype, mean [B*S] fp32, rstd [B*S] fp32)``; with
     ``training=False`` the inference graph runs and ``mean``/``rstd`` are empty.
     """
-    if _dispatch.route(x) is None:
-        out = _cudnn_forward(x, scale, shift, eps, one_plus_scale, training)
-        if out is not None:
-            return out
-    return _torch_forward(x, scale, shift, eps, one_plus_scale, training)
-
-
-def _cudnn_forward(x, scale, shift, eps, dit, training):
-    """The cuDNN graph, or ``None`` when cuDNN declines it. A declined DiT graph (in-graph
-    ``1 + scale``) retries the plain graph with ``1 + scale`` computed here (``B*D`` elements)."""
-    b, s, d = x.shape
-    x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
-    scale, shift, scale_dtype, cast = _dispatch.forward_params(x2, scale, shift, has_bias=True)
-    scale, shift = _aligned(scale), _aligned(shift)
-    phase = "train" if training else "infer"
-
-    def spec(dit: bool) -> NormSpec:
-        return NormSpec(_OP, phase, b * s, d, x.dtype, scale_dtype, x.device.index, x_row_stride=x2.stride(0),
-                        batch=b, scale_cast=cast, dit=dit,
-                        autotune=_dispatch.autotune_wanted(_OP, phase, b * s, d))
-
-    plan = _dispatch.get_plan(spec(dit))
-    if plan is None and dit:
-        plan, dit = _dispatch.get_plan(spec(False)), False
-        scale = (scale.float() + 1.0).to(scale_dtype)
-    if plan is None:
-        return None
-    y = torch.empty((b, s, d), dtype=x.dtype, device=x.device)
-    buffers = [x2, scale, shift, host_scalar(eps, plan.spec), y]
-    if training:
-        mean = torch.empty(b * s, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(b * s, dtype=torch.float32, device=x.device)
-        buffers += [mean, rstd]
-    else:
-        mean, rstd = x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
-    if dit:
-        buffers.append(host_scalar(1.0, plan.spec))
-    plan.run(*buffers)
+    y, mean, rstd = _run_forward(x, scale, shift, eps, one_plus_scale, training)
+    if not training:
+        mean, rstd = x.new_empty(_EMPTY, dtype=_F32), x.new_empty(_EMPTY, dtype=_F32)
     return y, mean, rstd
 
 
-def _gain(scale: torch.Tensor, dit: bool) -> torch.Tensor:
-    """The per-sample multiplier in fp32: ``1 + scale`` (DiT) or ``scale``."""
-    return scale.float() + 1.0 if dit else scale.float()
+def _run_forward(x, scale, shift, eps, dit, training):
+    """``(y, mean, rstd)`` from the first strategy that serves the call (stats ``None`` when
+    not training: eager inference allocates no empty statistics). The hot path: keep it lean."""
+    dtype = _forward_dtype(x, scale, shift)
+    gain = _gain(scale, dit, dtype)
+    shift = _aligned(shift if shift.dtype is dtype else shift.to(dtype))
+    if _dispatch.route(x) is None:
+        b, s, d = x.shape
+        x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
+        for name in _FORWARD_ORDER[_forward_strategy(b, s, d, x.dtype)]:
+            out = _FORWARDS[name](x2, b, gain, shift, eps, training)
+            if out is not None:
+                return out
+    return _torch_forward(x, gain, shift, eps, training)
 
 
-def _torch_forward(x, scale, shift, eps, dit, training):
-    """PyTorch path, computed in fp32 and cast back to x's dtype; fp32 scale/shift are
-    rounded as on the cuDNN path (``_dispatch.forward_param_dtype``)."""
+def _torch_forward(x, gain, shift, eps, training):
+    """PyTorch path in fp32 from the same gain/shift the graphs read, cast to x's dtype."""
     b, s, d = x.shape
-    scale, shift = (p.to(_dispatch.forward_param_dtype(x, p)) for p in (scale, shift))
     xhat, mean, rstd = torch.native_layer_norm(x.float(), [d], None, None, eps)
-    y = (xhat * _gain(scale, dit)[:, None] + shift.float()[:, None]).to(x.dtype)
+    y = (xhat * gain.float()[:, None] + shift.float()[:, None]).to(x.dtype)
+    return (y, mean.view(b * s), rstd.view(b * s)) if training else (y, None, None)
+
+
+def _fwd_cudnn(x2, b, gain, shift, eps, training):
+    rows, d = x2.shape
+    device = x2.device
+    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x2, gain.dtype, device.index, batch=b)
+    plan = _dispatch.get_plan(spec)
+    if plan is None:
+        return None
+    y = torch.empty((b, rows // b, d), dtype=x2.dtype, device=device)
     if not training:
-        return y, x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
-    return y, mean.view(b * s), rstd.view(b * s)
+        plan.run(x2, gain, shift, host_scalar(eps, spec), y)
+        return y, None, None
+    mean = torch.empty(rows, dtype=_F32, device=device)
+    rstd = torch.empty(rows, dtype=_F32, device=device)
+    plan.run(x2, gain, shift, host_scalar(eps, spec), y, mean, rstd)
+    return y, mean, rstd
 
 
-@ada_layer_norm_fwd.register_fake
-def _(x, scale, shift, eps, one_plus_scale, training):
-    b, s, _ = x.shape
-    stats = (b * s,) if training else _EMPTY
-    return x.new_empty(x.shape), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+def _fwd_per_sample(x2, b, gain, shift, eps, training):
+    rows, d = x2.shape
+    s = rows // b
+    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), gain.element_size()):
+        return None
+    xs = x2.unflatten(0, (b, s))
+    spec = _dispatch.spec_for("layer_norm", "train" if training else "infer", xs[0], gain.dtype, x2.device.index)
+    plan = _dispatch.get_plan(spec)
+    if plan is None:
+        return None
+    eps_t = host_scalar(eps, spec)
+    y = torch.empty((b, s, d), dtype=x2.dtype, device=x2.device)
+    if not training:
+        for xb, gb, sb, yb in zip(xs.unbind(0), gain.unbind(0), shift.unbind(0), y.unbind(0)):
+            plan.run(xb, gb, sb, eps_t, yb)
+        return y, None, None
+    mean, rstd = _padded_rows(b, s, x2.device), _padded_rows(b, s, x2.device)
+    for xb, gb, sb, yb, mb, rb in zip(xs.unbind(0), gain.unbind(0), shift.unbind(0), y.unbind(0),
+                                      mean.unbind(0), rstd.unbind(0)):
+        plan.run(xb, gb, sb, eps_t, yb, mb, rb)
+    return y, mean.reshape(rows), rstd.reshape(rows)  # a copy only when S % 4 padded them
+
+
+_FORWARDS = {"cudnn": _fwd_cudnn, "per_sample": _fwd_per_sample}
 
 
 # ---------------------------------------------------------------- backward
 
-@dataclass
-class _BwdCall:
-    """One backward call in the layout every strategy reads: ``x2``/``dy2`` are
-    ``[B*S, D]`` (x with cuDNN-legal row stride, dy packed), stats ``[B*S]`` fp32."""
-
-    dy2: torch.Tensor
-    x2: torch.Tensor
-    scale: torch.Tensor
-    mean: torch.Tensor
-    rstd: torch.Tensor
-    b: int
-    s: int
-    dit: bool
-
-    @property
-    def d(self) -> int:
-        return self.x2.shape[1]
-
-    def new_dx(self) -> torch.Tensor:
-        return torch.empty((self.b * self.s, self.d), dtype=self.x2.dtype, device=self.x2.device)
-
-
-@torch.library.custom_op("cudnorm::ada_layer_norm_bwd", mutates_args=())
-def ada_layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
-                       rstd: torch.Tensor, one_plus_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward on ``x, dy: [B, S, D]``, ``scale: [B, D]`` (the forward's, any float dtype).
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   one_plus_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward on ``x, dy: [B, S, D]``, ``scale: [B, D]`` (the forward's, fp32 or x's dtype).
 
     Returns ``(dx [B, S, D] x.dtype, dscale [B, D] fp32, dshift [B, D] fp32)``; dscale is the
     same for both conventions (``d(1 + scale) / dscale = 1``).
     """
     b, s, d = x.shape
     if _dispatch.route(x) is None:
-        call = _BwdCall(_aligned(dy.reshape(b * s, d)), _dispatch.cudnn_rows(x.reshape(b * s, d)), scale,
-                        _aligned(mean), _aligned(rstd), b, s, one_plus_scale)
-        for name in _FALLTHROUGH[_backward_strategy(b, s, d, x.dtype)]:
-            out = _BACKWARDS[name](call)
+        x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
+        dy2, mean, rstd = _aligned(dy.reshape(b * s, d)), _aligned(mean), _aligned(rstd)
+        for name in _BACKWARD_ORDER[_backward_strategy(b, s, d, x.dtype)]:
+            out = _BACKWARDS[name](dy2, x2, b, scale, mean, rstd, one_plus_scale)
             if out is not None:
                 dx, dscale, dshift = out
                 return dx.view(b, s, d), dscale, dshift
-    return _torch_backward(dy, x, scale, mean, rstd, one_plus_scale)
+    return _torch_backward(dy, x, _gain(scale, one_plus_scale, _F32), mean, rstd)
 
 
-def _torch_backward(dy, x, scale, mean, rstd, dit):
+def _torch_backward(dy, x, gain, mean, rstd):
     """``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * gain``;
     ``dscale = sum_tokens(dy * xhat)``, ``dshift = sum_tokens(dy)``, all in fp32."""
-    b, s, d = x.shape
+    b, s, _ = x.shape
     dyf = dy.float()
     rstd3 = rstd.view(b, s, 1)
     xhat = (x.float() - mean.view(b, s, 1)) * rstd3
-    g = dyf * _gain(scale, dit)[:, None]
+    g = dyf * gain.float()[:, None]
     dx = rstd3 * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     return dx.to(x.dtype), (dyf * xhat).sum(1), dyf.sum(1)
 
 
-def _bwd_cudnn(call: _BwdCall):
-    """cuDNN's adalayernorm backward; dscale/dshift come out in the scale's dtype."""
-    x2 = call.x2
-    sdt = call.scale.dtype
-    spec = NormSpec(_OP, "bwd", call.b * call.s, call.d, x2.dtype, sdt, x2.device.index,
-                    x_row_stride=x2.stride(0), batch=call.b, dit=call.dit)
+def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit):
+    """cuDNN's adalayernorm backward, reading the gain (and writing dscale/dshift) in the
+    scale's own dtype."""
+    spec = _dispatch.spec_for(_OP, "bwd", x2, scale.dtype, x2.device.index, batch=b)
     plan = _dispatch.get_plan(spec)
     if plan is None:
         return None
-    dx = call.new_dx()
-    dscale = torch.empty((call.b, call.d), dtype=sdt, device=x2.device)
+    gain = _gain(scale, dit, scale.dtype)
+    dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    dscale = torch.empty(gain.shape, dtype=gain.dtype, device=x2.device)
     dshift = torch.empty_like(dscale)
-    buffers = [x2, _aligned(call.scale), call.dy2, call.mean, call.rstd, dx, dscale, dshift]
-    if call.dit:
-        buffers.append(host_scalar(1.0, spec))
-    plan.run(*buffers)
+    plan.run(x2, gain, dy2, mean, rstd, dx, dscale, dshift)
     return dx, dscale.float(), dshift.float()
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-@dataclass
-class _PerSample:
-    """What the per-sample launches read and write. Per-sample slices must start 16-byte
-    aligned, so the fp32 ``[B, D]`` buffers have rows padded to ``Dp`` (multiple of 4) and
-    stats are copied to ``[B, Sp]`` when ``S`` is not a multiple of 4."""
-
-    plan: object
-    xs: tuple
-    dys: tuple
-    means: tuple
-    rstds: tuple
-
-    def launch(self, dx: torch.Tensor, gain: torch.Tensor, dscale: torch.Tensor, dshift: torch.Tensor) -> None:
-        dxs = dx.unflatten(0, (len(self.xs), -1)).unbind(0)
-        for per_sample in zip(self.xs, gain.unbind(0), self.dys, self.means, self.rstds, dxs,
-                              dscale.unbind(0), dshift.unbind(0)):
-            self.plan.run(*per_sample)
-
-
-def _per_sample_setup(call: _BwdCall) -> _PerSample | None:
-    x2, b, s, d = call.x2, call.b, call.s, call.d
-    es = x2.element_size()
-    if (s * x2.stride(0) * es) % 16 or (s * d * es) % 16:
-        return None  # a sample's x/dy/dx block would start misaligned
-    spec = NormSpec("layer_norm", "bwd", s, d, x2.dtype, torch.float32, x2.device.index,
-                    x_row_stride=x2.stride(0), autotune=_dispatch.autotune_wanted("layer_norm", "bwd", s, d))
+def _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit):
+    """``(plan, bases)`` for the per-sample LayerNorm backward, or ``None``. ``bases`` are the
+    ``[B, ...]`` tensors in the graph's role order (x, gain, dy, mean, rstd, dx, dscale,
+    dshift); sample ``i`` reads and writes ``t[i]`` of each. The fp32 ``[B, D]`` and stats
+    buffers get 16-byte aligned rows (padded when ``D`` or ``S`` is not a multiple of 4)."""
+    rows, d = x2.shape
+    s = rows // b
+    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size()):
+        return None
+    spec = _dispatch.spec_for("layer_norm", "bwd", x2[:s], _F32, x2.device.index)
     plan = _dispatch.get_plan(spec)
     if plan is None:
         return None
-    stats = []
-    for stat in (call.mean, call.rstd):
-        stat = stat.view(b, s)
-        if s % 4:
-            padded = torch.empty((b, _round_up(s, 4)), dtype=torch.float32, device=x2.device)
-            padded[:, :s].copy_(stat)
-            stat = padded[:, :s]
-        stats.append(stat.unbind(0))
-    rows = lambda t: t.unflatten(0, (b, s)).unbind(0)  # noqa: E731
-    return _PerSample(plan, rows(x2), rows(call.dy2), stats[0], stats[1])
+    device = x2.device
+    gain = _gain(scale, dit, _F32) if d % 4 == 0 else _gain(scale, dit, _F32, out=_padded_rows(b, d, device))
+    stats = [t.view(b, s) if s % 4 == 0 else _padded_rows(b, s, device).copy_(t.view(b, s)) for t in (mean, rstd)]
+    dx = torch.empty((b, s, d), dtype=x2.dtype, device=device)
+    bases = (x2.unflatten(0, (b, s)), gain, dy2.view(b, s, d), stats[0], stats[1], dx,
+             _padded_rows(b, d, device), _padded_rows(b, d, device))
+    return plan, bases
 
 
-def _param_buffers(call: _BwdCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gain, dscale, dshift): fp32 ``[B, D]`` views of row-padded ``[B, Dp]`` buffers."""
-    shape = (call.b, _round_up(call.d, 4))
-    bufs = [torch.empty(shape, dtype=torch.float32, device=call.x2.device)[:, :call.d] for _ in range(3)]
-    return tuple(bufs)
+def _launch_per_sample(plan, bases) -> None:
+    for buffers in zip(*(t.unbind(0) for t in bases)):
+        plan.run(*buffers)
 
 
-def _fill_gain(dst: torch.Tensor, call: _BwdCall) -> None:
-    dst.copy_(call.scale)
-    if call.dit:
-        dst.add_(1.0)
+def _per_sample_outputs(bases):
+    return bases[5], bases[6].contiguous(), bases[7].contiguous()  # copies only padded rows
 
 
-def _bwd_per_sample(call: _BwdCall):
-    setup = _per_sample_setup(call)
-    if setup is None:
+def _bwd_per_sample(dy2, x2, b, scale, mean, rstd, dit):
+    prepared = _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit)
+    if prepared is None:
         return None
-    gain, dscale, dshift = _param_buffers(call)
-    _fill_gain(gain, call)
-    dx = call.new_dx()
-    setup.launch(dx, gain, dscale, dshift)
-    return dx, dscale.contiguous(), dshift.contiguous()
+    plan, bases = prepared
+    _launch_per_sample(plan, bases)
+    return _per_sample_outputs(bases)
 
 
-class _CapturedBackward:
-    """The B per-sample launches of one call, captured in a CUDA graph.
+class _CapturedLaunches:
+    """The B per-sample backward launches of a call, captured once in a CUDA graph.
 
-    Correctness: a graph replays fixed pointers. The key holds the LayerNorm spec (shape,
-    strides, dtype), B, the stream and the data pointers of x, dy, mean, rstd and dx; a
-    replay therefore reads and writes exactly the tensors of the current call (memory
-    freed and reused by another tensor of the same spec is read as that tensor, which is
-    what the call asks). The small fp32 buffers gain/dscale/dshift are owned by the entry
-    (static): the gain is copied in before each replay and dscale/dshift copied out after,
-    so they never alias a caller's tensor. Keying on the stream keeps two streams from
-    racing on those buffers and on the workspace.
+    Correctness: a graph replays fixed pointers, so the key holds the LayerNorm spec (shape,
+    strides, dtype), B, the stream and the base pointer of every buffer (x, gain, dy, mean,
+    rstd, dx, dscale, dshift). A replay therefore reads and writes exactly the tensors of the
+    current call, with no copies in or out; memory freed and reused by another tensor of the
+    same layout is read as that tensor, which is what the call asks. Keying on the stream
+    keeps two streams from racing on the workspace.
 
-    Cost: a miss runs the launches eagerly (that call's result), then captures them on a
-    side stream (host time only, nothing runs twice). In a training loop the caching
-    allocator hands out the same addresses each step, so steady-state calls hit.
+    Cost: a miss runs the launches eagerly (that call's result), then records them on a side
+    stream (host time only; nothing runs twice). In a training loop the caching allocator
+    hands out the same addresses each step, so steady-state calls hit.
 
-    Memory: per entry three ``[B, Dp]`` fp32 buffers plus cuDNN's workspace, which lives in
-    a graph memory pool shared by all entries of one (device, stream): replays on one
-    stream never overlap, so sharing the workspace is safe. At most
+    Memory: cuDNN's workspace lives in a graph memory pool shared by the entries of one
+    (device, stream); replays on one stream never overlap, so sharing it is safe. At most
     ``CUDNORM_ADA_GRAPH_CACHE`` entries (default 64; a DiT-XL step makes 56 AdaLN calls)
-    are kept, least recently used evicted.
+    are kept, least recently used evicted; 0 disables capture.
     """
 
-    _entries: OrderedDict = OrderedDict()
-    _pools: dict = {}
+    def __init__(self) -> None:
+        self.entries: OrderedDict = OrderedDict()  # key -> (CUDAGraph or None: capture failed, plan)
+        self.pools: dict = {}
+        self.replays = 0
 
-    def __init__(self, call: _BwdCall, setup: _PerSample, dx: torch.Tensor) -> None:
-        self.gain, self.dscale, self.dshift = _param_buffers(call)
-        self.setup, self.dx = setup, dx
-        self.plan = setup.plan  # the graph's kernels belong to the plan: keep it alive
-        self.graph = None
-
-    @classmethod
-    def run(cls, call: _BwdCall, setup: _PerSample):
-        device = call.x2.device.index
+    def run(self, plan, bases) -> None:
+        device = plan.spec.device_index
         stream = _runtime.current_stream_ptr(device)
-        dx = call.new_dx()
-        key = (setup.plan.spec, call.b, stream, call.x2.data_ptr(), call.dy2.data_ptr(),
-               setup.means[0].data_ptr(), setup.rstds[0].data_ptr(), dx.data_ptr())
-        entry = cls._entries.get(key)
-        if entry is None:
-            entry = cls(call, setup, dx)
-            _fill_gain(entry.gain, call)
-            setup.launch(dx, entry.gain, entry.dscale, entry.dshift)
-            entry.capture(device, stream)
-            cls._remember(key, entry)
-        else:
-            cls._entries.move_to_end(key)
-            _fill_gain(entry.gain, call)
-            if entry.graph is not None:
-                entry.graph.replay()
+        key = (plan.spec, len(bases[0]), stream, *(t.data_ptr() for t in bases))
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            if entry[0] is None:
+                _launch_per_sample(plan, bases)
             else:
-                setup.launch(dx, entry.gain, entry.dscale, entry.dshift)
-        return dx, entry.dscale.clone(memory_format=torch.contiguous_format), \
-            entry.dshift.clone(memory_format=torch.contiguous_format)
+                entry[0].replay()
+                self.replays += 1
+            return
+        _launch_per_sample(plan, bases)
+        limit = _settings.current.ada_graph_cache
+        if limit:
+            self.entries[key] = (self._capture(plan, bases, device, stream), plan)  # the plan owns the kernels
+            while len(self.entries) > limit:
+                self.entries.popitem(last=False)
 
-    def capture(self, device: int, stream: int) -> None:
-        """Record the launches (nothing runs). On failure the entry stays eager, with a warning."""
-        pool = self._pools.get((device, stream))
+    def _capture(self, plan, bases, device: int, stream: int):
+        """Record the launches (nothing runs); ``None``, with a warning, if capture fails."""
+        pool = self.pools.get((device, stream))
         if pool is None:
-            pool = self._pools[(device, stream)] = torch.cuda.graph_pool_handle()
+            pool = self.pools[(device, stream)] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
@@ -366,51 +362,64 @@ class _CapturedBackward:
                 # thread_local: other threads (data loaders, autograd workers) keep working
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    self.setup.launch(self.dx, self.gain, self.dscale, self.dshift)
+                    _launch_per_sample(plan, bases)
                 finally:
                     graph.capture_end()
-            self.graph = graph
-        except Exception as exc:  # capture refused (driver, nested capture): stay correct, eager
+        except Exception as exc:  # noqa: BLE001 - capture refused (driver, nested capture): stay correct, eager
             warnings.warn(f"cudnorm.{_OP}: CUDA-graph capture of the per-sample backward failed "
                           f"({type(exc).__name__}: {exc}); running it without a graph", RuntimeWarning, stacklevel=2)
+            graph = None
         current.wait_stream(side)
-        self.setup = self.dx = None  # the graph holds pointers, not tensors: drop the refs
+        return graph
 
-    @classmethod
-    def _remember(cls, key, entry) -> None:
-        cls._entries[key] = entry
-        limit = int(os.environ.get("CUDNORM_ADA_GRAPH_CACHE", "64"))
-        while len(cls._entries) > max(limit, 1):
-            cls._entries.popitem(last=False)
-
-    @classmethod
-    def clear(cls) -> None:
-        cls._entries.clear()
-        cls._pools.clear()
+    def clear(self) -> None:
+        self.entries.clear()
+        self.pools.clear()
 
 
-def _bwd_per_sample_graph(call: _BwdCall):
-    if torch.cuda.is_current_stream_capturing():
+_captured = _CapturedLaunches()
+
+
+def clear_captured_graphs() -> None:
+    """Drop every captured AdaLN backward graph (called by :func:`cudnorm.clear_cache`)."""
+    _captured.clear()
+
+
+def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit):
+    if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return None  # an outer capture records the plain launches itself
-    setup = _per_sample_setup(call)
-    return None if setup is None else _CapturedBackward.run(call, setup)
+    prepared = _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit)
+    if prepared is None:
+        return None
+    plan, bases = prepared
+    _captured.run(plan, bases)
+    return _per_sample_outputs(bases)
 
 
-_BACKWARDS = {"cudnn": _bwd_cudnn, "per_sample": _bwd_per_sample, "per_sample_graph": _bwd_per_sample_graph,
-              "torch": lambda call: None}
-_FALLTHROUGH = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
-                "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
+_BACKWARDS = {"cudnn": _bwd_cudnn, "per_sample": _bwd_per_sample, "per_sample_graph": _bwd_per_sample_graph}
+
+
+# ---------------------------------------------------------------- custom ops, autograd
+
+ada_layer_norm_fwd = torch.library.custom_op("cudnorm::ada_layer_norm_fwd", _forward, mutates_args=())
+ada_layer_norm_bwd = torch.library.custom_op("cudnorm::ada_layer_norm_bwd", _backward_impl, mutates_args=())
+
+
+@ada_layer_norm_fwd.register_fake
+def _(x, scale, shift, eps, one_plus_scale, training):
+    b, s, _ = x.shape
+    stats = (b * s,) if training else _EMPTY
+    return x.new_empty(x.shape), x.new_empty(stats, dtype=_F32), x.new_empty(stats, dtype=_F32)
 
 
 @ada_layer_norm_bwd.register_fake
 def _(dy, x, scale, mean, rstd, one_plus_scale):
     b, _, d = x.shape
-    return (x.new_empty(x.shape), x.new_empty((b, d), dtype=torch.float32),
-            x.new_empty((b, d), dtype=torch.float32))
+    return x.new_empty(x.shape), x.new_empty((b, d), dtype=_F32), x.new_empty((b, d), dtype=_F32)
 
 
 def _setup_context(ctx, inputs, output):
-    x, scale, shift, eps, one_plus_scale, training = inputs
+    x, scale, shift, _eps, one_plus_scale, _training = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, scale, mean, rstd)
@@ -418,30 +427,65 @@ def _setup_context(ctx, inputs, output):
     ctx.shift_dtype = shift.dtype
 
 
-def _backward(ctx, dy, _dmean, _drstd):
-    x, scale, mean, rstd = ctx.saved_tensors
-    if mean.numel() == 0:
-        raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
-                           "(the forward ran without grad mode, so no statistics were saved)")
-    dx, dscale, dshift = ada_layer_norm_bwd(dy, x, scale, mean, rstd, ctx.one_plus_scale)
-    return dx, dscale.to(scale.dtype), dshift.to(ctx.shift_dtype), None, None, None
+def _make_backward(backward_fn):
+    """The autograd backward, calling ``backward_fn``: the custom op when registered for
+    traced graphs, the plain implementation in the eager ``autograd.Function``."""
+
+    def backward(ctx, dy, _dmean, _drstd):
+        x, scale, mean, rstd = ctx.saved_tensors
+        if mean.numel() == 0:
+            raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
+                               "(the forward ran without grad mode, so no statistics were saved)")
+        dx, dscale, dshift = backward_fn(dy, x, scale, mean, rstd, ctx.one_plus_scale)
+        return dx, dscale.to(scale.dtype), dshift.to(ctx.shift_dtype), None, None, None
+
+    return backward
 
 
-ada_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+ada_layer_norm_fwd.register_autograd(_make_backward(ada_layer_norm_bwd), setup_context=_setup_context)
+_AdaLayerNormFunction = _dispatch.eager_autograd("_AdaLayerNormFunction", _forward, _setup_context,
+                                                 _make_backward(_backward_impl))
 
 
 # ---------------------------------------------------------------- functional
 
-def _check_modulation(arg: str, value, input: torch.Tensor) -> torch.Tensor:
-    """scale/shift: ``[B, D]`` or ``[B, 1, ..., 1, D]``; returned as ``[B, D]``."""
+def _check_modulation(arg: str, value, input: torch.Tensor) -> None:
+    """scale/shift: ``[B, D]`` or ``[B, 1, ..., 1, D]``, fp32 or the input's dtype."""
     b, d = input.shape[0], input.shape[-1]
-    _checks.check_tensor(_OP, arg, value, dtypes=tuple(dict.fromkeys((input.dtype, torch.float32))))
+    _checks.check_tensor(_OP, arg, value, dtypes=tuple(dict.fromkeys((input.dtype, _F32))))
     shape = tuple(value.shape)
     if len(shape) < 2 or shape[0] != b or shape[-1] != d or any(n != 1 for n in shape[1:-1]):
         raise ValueError(f"cudnorm.{_OP}: argument '{arg}' has shape {shape}; expected [B, D] or [B, 1, D] "
                          f"with B={b}, D={d} from input of shape {tuple(input.shape)}")
     _checks.check_same_device(_OP, arg, value, input)
-    return value.reshape(b, d)
+
+
+def _check_call(input, scale, shift, eps, one_plus_scale) -> float:
+    """Validate a call; return eps as a float. The common case costs a few attribute reads;
+    anything unusual goes through the detailed checks, which raise the descriptive error."""
+    try:
+        b, d = input.shape[0], input.shape[-1]
+        fast = (isinstance(input, torch.Tensor) and input.dtype in _runtime.SUPPORTED_DTYPES and input.dim() >= 2
+                and input.numel() > 0 and type(eps) is float and 0.0 <= eps < math.inf
+                and type(one_plus_scale) is bool)
+        for p in (scale, shift):
+            # first and last dims right and B*D elements: every middle dim is 1
+            fast = fast and (isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[0] == b and p.shape[-1] == d
+                             and p.numel() == b * d and (p.dtype is input.dtype or p.dtype is _F32)
+                             and p.get_device() == input.get_device() and p.is_meta == input.is_meta)
+    except (AttributeError, IndexError, TypeError):
+        fast = False
+    if fast:
+        return eps
+    _checks.check_input(_OP, input)
+    if input.dim() < 2:
+        raise ValueError(f"cudnorm.{_OP}: argument 'input' must be [B, *, D], got shape {tuple(input.shape)}")
+    _check_modulation("scale", scale, input)
+    _check_modulation("shift", shift, input)
+    eps = _checks.check_eps(_OP, eps)
+    if not isinstance(one_plus_scale, bool):
+        raise TypeError(f"cudnorm.{_OP}: argument 'one_plus_scale' must be a bool, got {type(one_plus_scale).__name__}")
+    return eps
 
 
 def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
@@ -453,26 +497,61 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         scale, shift: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype``; broadcast over
             the tokens of each sample.
         eps: added to the variance (DiT/PixArt/SD3/Flux use 1e-6).
-        one_plus_scale: ``True`` computes DiT's ``modulate``: ``norm(x) * (1 + scale) + shift``
-            (the ``1 +`` runs inside the graph); ``False`` computes ``norm(x) * scale + shift``.
+        one_plus_scale: ``True`` computes DiT's ``modulate``: ``norm(x) * (1 + scale) + shift``;
+            ``False`` computes ``norm(x) * scale + shift``.
 
     Returns:
         ``input``-shaped tensor in ``input.dtype``. Gradients flow to input, scale and shift
         (scale/shift gradients are accumulated in fp32 and returned in their dtype). With
-        bf16/fp16 input, fp32 scale/shift are rounded to ``input.dtype`` for the forward only.
+        bf16/fp16 input the forward reads the gain ``1 + scale`` (summed in fp32) and shift
+        rounded to ``input.dtype``, as PyTorch's eager formula in that dtype does.
     """
-    _checks.check_input(_OP, input)
-    if input.dim() < 2:
-        raise ValueError(f"cudnorm.{_OP}: argument 'input' must be [B, *, D], got shape {tuple(input.shape)}")
-    scale = _check_modulation("scale", scale, input)
-    shift = _check_modulation("shift", shift, input)
-    eps = _checks.check_eps(_OP, eps)
-    if not isinstance(one_plus_scale, bool):
-        raise TypeError(f"cudnorm.{_OP}: argument 'one_plus_scale' must be a bool, got {type(one_plus_scale).__name__}")
+    eps = _check_call(input, scale, shift, eps, one_plus_scale)
     b, d = input.shape[0], input.shape[-1]
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (input, scale, shift))
-    y, _, _ = ada_layer_norm_fwd(input.reshape(b, -1, d), scale, shift, eps, one_plus_scale, training)
-    return y.view(input.shape)
+    flat = input.dim() == 3  # the common case needs no reshapes
+    x = input if flat else input.reshape(b, -1, d)
+    sc = scale if scale.dim() == 2 else scale.reshape(b, d)
+    sh = shift if shift.dim() == 2 else shift.reshape(b, d)
+    training = torch.is_grad_enabled() and (input.requires_grad or scale.requires_grad or shift.requires_grad)
+    if not _dispatch.eager(input):
+        y = ada_layer_norm_fwd(x, sc, sh, eps, one_plus_scale, training)[0]
+    elif training:
+        y = _AdaLayerNormFunction.apply(x, sc, sh, eps, one_plus_scale, training)[0]
+    else:
+        y = _run_forward(x, sc, sh, eps, one_plus_scale, False)[0]
+    return y if flat else y.view(input.shape)
+
+
+# ---------------------------------------------------------------- warmup, check
+
+def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype: torch.dtype, device_index: int,
+              phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
+    """The specs :func:`ada_layer_norm` requests for a packed ``x: [batch, seq, cols]`` of
+    ``x_dtype`` with scale/shift ``[batch, cols]`` of ``scale_dtype``, under the current
+    settings (forward and backward strategy), when cuDNN accepts its first choice. Built by
+    the op's own helpers on meta tensors; tests/test_warmup.py checks them against specs
+    recorded from the op."""
+    x2 = torch.empty((batch * seq, cols), dtype=x_dtype, device="meta")
+    param = torch.empty((batch, cols), dtype=scale_dtype, device="meta")
+    fwd_dtype = _forward_dtype(x2, param, param)
+    specs = []
+    for phase in phases:
+        if phase == "bwd":
+            strategy = _backward_strategy(batch, seq, cols, x_dtype)
+            per_sample = strategy.startswith("per_sample") and _per_sample_fits(seq, cols, cols, x_dtype.itemsize)
+            if per_sample:
+                specs.append(_dispatch.spec_for("layer_norm", "bwd", x2[:seq], _F32, device_index))
+            elif strategy != "torch":
+                specs.append(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, device_index, batch=batch))
+            continue
+        strategy = _forward_strategy(batch, seq, cols, x_dtype)
+        per_sample = strategy == "per_sample" and _per_sample_fits(seq, cols, cols, x_dtype.itemsize,
+                                                                    fwd_dtype.itemsize)
+        if per_sample:
+            specs.append(_dispatch.spec_for("layer_norm", phase, x2[:seq], fwd_dtype, device_index))
+        elif strategy != "torch":
+            specs.append(_dispatch.spec_for(_OP, phase, x2, fwd_dtype, device_index, batch=batch))
+    return specs
 
 
 def check_cases(device: str, dtypes):
@@ -480,7 +559,7 @@ def check_cases(device: str, dtypes):
     both conventions, fp32 and activation-dtype scale/shift, DiT-like shape."""
     b, s, d = 4, 250, 1152
     for dtype in dtypes:
-        for wdtype in dict.fromkeys((torch.float32, dtype)):
+        for wdtype in dict.fromkeys((_F32, dtype)):
             for dit in (True, False):
                 g = torch.Generator(device="cpu").manual_seed(0)
                 x = torch.randn((b, s, d), generator=g).to(device, dtype)

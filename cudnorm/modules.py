@@ -25,6 +25,7 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -33,6 +34,7 @@ class RMSNorm(torch.nn.RMSNorm):
     ``torch.finfo(input.dtype).eps``, as in PyTorch)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         return rms_norm(input, self.normalized_shape, self.weight, self.eps)
 
 
@@ -49,9 +51,11 @@ class AdaLayerNorm(torch.nn.Module):
         self.dim, self.eps = dim, eps
 
     def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``norm(x) * (1 + scale) + shift``; ``x [B, *, D]``, shift/scale ``[B, D]`` or ``[B, 1, D]``."""
         return ada_layer_norm(x, scale, shift, self.eps, one_plus_scale=True)
 
     def extra_repr(self) -> str:
+        """``dim, eps=...`` (shown by ``repr``)."""
         return f"{self.dim}, eps={self.eps}"
 
 
@@ -75,6 +79,8 @@ class AdaLayerNormZero(torch.nn.Module):
         self.norm = AdaLayerNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor):
+        """``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``
+        from ``x [B, *, D]`` and ``emb [B, cond_dim]``."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
         return self.norm(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
@@ -96,6 +102,7 @@ class AdaLayerNormContinuous(torch.nn.Module):
         self.norm = LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine, bias=bias)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``norm(x) * (1 + scale) + shift`` with ``(scale, shift)`` projected from ``emb [B, cond_dim]``."""
         scale, shift = self.linear(self.silu(emb)).chunk(2, dim=1)
         weight, bias = self.norm.weight, self.norm.bias
         if weight is None:

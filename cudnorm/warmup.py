@@ -122,39 +122,15 @@ def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dt
 
 
 def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, device_index: int,
-                   scale_dtype: torch.dtype | None = None, dit: bool = True,
+                   scale_dtype: torch.dtype | None = None,
                    phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
     """The specs :func:`cudnorm.ada_layer_norm` requests for ``x: [batch, seq, cols]`` with
     per-sample scale/shift ``[batch, cols]`` of ``scale_dtype`` (default ``x_dtype``, what a
-    modulation Linear returns); ``dit``: the ``1 + scale`` convention.
+    modulation Linear returns), under the current forward/backward strategy settings: the
+    op's own ``ada_layer_norm.specs_for``."""
+    from .ada_layer_norm import specs_for  # noqa: PLC0415 - optional op family
 
-    The forward's scale dtype comes from ``_dispatch.forward_params`` and the backward
-    follows the op's own strategy choice (``ada_layer_norm._backward_strategy``): cuDNN's
-    AdaLN backward graph, or the LayerNorm backward run per sample (``seq`` rows). The
-    ``NormSpec(...)`` calls mirror ada_layer_norm.py; tests/test_warmup.py checks them
-    against specs recorded from the op.
-    """
-    from .ada_layer_norm import _backward_strategy  # noqa: PLC0415 - optional op family
-
-    rows = batch * seq
-    x = torch.empty((rows, cols), dtype=x_dtype, device="meta")
-    param = torch.empty((batch, cols), dtype=scale_dtype or x_dtype, device="meta")
-    _, _, fwd_dtype, cast = _dispatch.forward_params(x, param, param, has_bias=True)
-    specs = []
-    for phase in phases:
-        if phase != "bwd":
-            specs.append(NormSpec("ada_layer_norm", phase, rows, cols, x_dtype, fwd_dtype, device_index,
-                                  batch=batch, scale_cast=cast, dit=dit,
-                                  autotune=_dispatch.autotune_wanted("ada_layer_norm", phase, rows, cols)))
-            continue
-        strategy = _backward_strategy(batch, seq, cols, x_dtype)
-        if strategy == "cudnn":
-            specs.append(NormSpec("ada_layer_norm", "bwd", rows, cols, x_dtype, param.dtype, device_index,
-                                  batch=batch, dit=dit))
-        elif strategy.startswith("per_sample"):
-            specs += norm_specs("layer_norm", seq, cols, x_dtype=x_dtype, weight_dtype=None,
-                                device_index=device_index, phases=("bwd",))
-    return specs
+    return specs_for(batch, seq, cols, x_dtype, scale_dtype or x_dtype, device_index, phases)
 
 
 # -- presets ------------------------------------------------------------------------------

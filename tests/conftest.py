@@ -46,6 +46,22 @@ def cudnorm_env(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _exact_graphs(monkeypatch):
+    """Numerics tests compare cuDNN's exact-shape graphs with references, so every row count
+    gets its own graph here; tests of the row-chunking policy set CUDNORM_EXACT_ROWS
+    themselves (through ``cudnorm_env``)."""
+    from cudnorm import _rows, _settings
+
+    monkeypatch.setenv("CUDNORM_EXACT_ROWS", "1000000")
+    _settings.reload()
+    _rows.reset()
+    yield
+    monkeypatch.undo()
+    _settings.reload()
+    _rows.reset()
+
+
+@pytest.fixture(autouse=True)
 def _no_default_plan_store():
     """Tests must not read or fill the user's on-disk plan store (it would turn builds into
     loads between runs); plan-store tests install their own store."""

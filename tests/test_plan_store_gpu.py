@@ -69,7 +69,7 @@ json.dump({"first_call_s": first_call_s, "plans": plans, "builds": info.builds, 
 
 def _run(store: Path, out: Path, **env) -> dict:
     out.mkdir()
-    environ = {**os.environ, "CUDNORM_PLAN_STORE_DIR": str(store), "PYTHONPATH": str(REPO), **env}
+    environ = {**os.environ, "CUDNORM_PLAN_STORE_DIR": str(store), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **env}
     environ.pop("CUDNORM_PLAN_STORE", None)
     proc = subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", CHILD, str(out)], env=environ,
                           capture_output=True, text=True, timeout=600)

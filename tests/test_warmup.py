@@ -19,6 +19,7 @@ from cudnorm._spec import NormSpec
 from test_plan_store import cli_main, fake_deserialize, fake_fingerprint, fake_serialize, plan_  # noqa: F401 - shared fakes and fixture
 
 warmup_mod = importlib.import_module("cudnorm.warmup")  # the package attribute is the function
+ada = importlib.import_module("cudnorm.ada_layer_norm")
 
 
 @pytest.fixture
@@ -55,13 +56,15 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, cudnorm_env, tmp_pa
     assert _dispatch._recorders == []
 
 
-@pytest.mark.parametrize("strategy", ["", "cudnn", "per_sample"])
+@pytest.mark.parametrize("fwd, bwd", [("auto", "auto"), ("cudnn", "cudnn"), ("per_sample", "per_sample"),
+                                      ("per_sample", "per_sample_graph"), ("torch", "cudnn"), ("cudnn", "torch")])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
-def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fresh_cache, strategy, scale_dtype):
+def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fresh_cache, fwd, bwd, scale_dtype):
     # plans that run nothing: each op takes its first strategy, as it would on a GPU
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
     monkeypatch.setattr(_dispatch, "_build", lambda spec: types.SimpleNamespace(spec=spec, run=lambda *a: None))
-    cudnorm_env("CUDNORM_ADA_BWD", strategy)
+    cudnorm_env("CUDNORM_ADA_FWD", fwd)
+    cudnorm_env("CUDNORM_ADA_BWD", bwd)
     b, s, d = 2, 8, 64
     x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
     scale, shift = (torch.randn(b, d, dtype=scale_dtype, requires_grad=True) for _ in range(2))
@@ -71,7 +74,11 @@ def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fre
             cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
     derived = warmup_mod.ada_norm_specs(b, s, d, x_dtype=torch.bfloat16, scale_dtype=scale_dtype, device_index=None)
     assert rec.specs == warmup_mod._sorted(derived)
-    assert ("layer_norm" in {spec.op for spec in rec.specs}) == (strategy == "per_sample")
+    ops = {(spec.op, spec.phase == "bwd") for spec in rec.specs}
+    fwd, bwd = ada._forward_strategy(b, s, d, x.dtype), ada._backward_strategy(b, s, d, x.dtype)  # resolve "auto"
+    assert (("layer_norm", False) in ops) == (fwd == "per_sample")
+    assert (("layer_norm", True) in ops) == bwd.startswith("per_sample")
+    assert len(rec.specs) == (fwd != "torch") * 2 + (bwd != "torch")
 
 
 def test_spec_file_format(cpu_as_cudnn, tmp_path):
@@ -131,16 +138,26 @@ def test_llm_preset():
     assert {s.cols for s in warmup_mod.preset_specs("llama-3-70b")} == {8192}
 
 
-def test_dit_preset():
+def test_dit_preset(cudnorm_env):
     specs = warmup_mod.preset_specs("dit-xl-2", batch=4, dtype=torch.float16)
     assert sorted(s.phase for s in specs) == ["bwd", "infer", "train"]
-    assert all(s.op == "ada_layer_norm" and s.rows == 4 * 256 and s.batch == 4 and s.cols == 1152 and s.dit
-               and s.x_dtype == s.scale_dtype == torch.float16 for s in specs)
+    assert all(s.x_dtype == torch.float16 and s.cols == 1152 for s in specs)
+    assert all(s.op == "ada_layer_norm" and s.rows == 4 * 256 and s.batch == 4 and s.scale_dtype == torch.float16
+               for s in specs if s.phase != "bwd" or ada.choose_backward(4, 256, 1152, torch.float16) == "cudnn")
+    # MMDiT: 4096 image tokens and 333 text tokens per sample, each stream its own graphs
+    cudnorm_env("CUDNORM_ADA_FWD", "cudnn")
+    cudnorm_env("CUDNORM_ADA_BWD", "per_sample")
     sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
-    # 4096-token samples take the per-sample LayerNorm backward (seq rows), 333-token ones cuDNN's AdaLN
     assert {(s.op, s.phase, s.rows) for s in sd3 if s.phase == "bwd"} == {
-        ("layer_norm", "bwd", 4096), ("ada_layer_norm", "bwd", 2 * 333)}
-    assert {s.rows for s in sd3 if s.phase != "bwd"} == {2 * 4096, 2 * 333}
+        ("layer_norm", "bwd", 4096), ("layer_norm", "bwd", 333)}
+    assert {(s.op, s.rows, s.batch) for s in sd3 if s.phase != "bwd"} == {
+        ("ada_layer_norm", 2 * 4096, 2), ("ada_layer_norm", 2 * 333, 2)}
+    cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
+    cudnorm_env("CUDNORM_ADA_BWD", "cudnn")
+    sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
+    assert {(s.op, s.phase, s.rows) for s in sd3} == {
+        ("layer_norm", "train", 4096), ("layer_norm", "infer", 4096), ("layer_norm", "train", 333),
+        ("layer_norm", "infer", 333), ("ada_layer_norm", "bwd", 2 * 4096), ("ada_layer_norm", "bwd", 2 * 333)}
 
 
 @pytest.mark.parametrize("name", sorted(warmup_mod.PRESETS))
@@ -231,7 +248,7 @@ def test_cli_warmup_without_cudnn_lists_specs(cli_main, capsys, tmp_path):
     path = tmp_path / "specs.json"
     warmup_mod.write_spec_file(path, warmup_mod.preset_specs("dit-b-2"))
     assert cli_main(["warmup", str(path)]) == 0
-    assert "ada_layer_norm-bwd-256x768" in capsys.readouterr().out
+    assert "ada_layer_norm-train-256x768" in capsys.readouterr().out
 
 
 def test_cli_warmup_builds_and_summarises(fake_gpu, cli_main, capsys):
