@@ -177,13 +177,19 @@ class Plan:
     candidates_timed: int = 0
     timings_ms: dict = field(default_factory=dict)
     source: str = "built"  # "built" | "store" (loaded from the on-disk plan store)
+    # A deserialized graph has no ranked plan list; the frontend documents the {uid: tensor}
+    # form for it (cudnn-facts section 5), so store-loaded plans use that form.
+    ordered: bool = True
 
     def run(self, *buffers: torch.Tensor) -> None:
         """Execute on the current stream. ``buffers`` follow :func:`roles`."""
         device_index = self.spec.device_index
         workspace = (torch.empty(self.workspace_size, dtype=torch.uint8, device=f"cuda:{device_index}")
                      if self.workspace_size else None)
-        self.graph.execute(buffers, workspace, handle=_runtime.handle(device_index), tensor_uids=self.uids)
+        if self.ordered:
+            self.graph.execute(buffers, workspace, handle=_runtime.handle(device_index), tensor_uids=self.uids)
+        else:
+            self.graph.execute(dict(zip(self.uids, buffers)), workspace, handle=_runtime.handle(device_index))
 
 
 _kernel_caches: dict = {}
@@ -303,4 +309,4 @@ def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized
         g.deserialize(h, blob)
         workspace = int(g.get_workspace_size())
     uids = tuple(UIDS[r] for r in roles(spec))
-    return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store")
+    return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store", ordered=False)

@@ -54,15 +54,15 @@ _F32 = torch.float32
 FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
 STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")  # backward
 
-# (rule(b, s, d, dtype), strategy) rows, first match wins. Provisional, from the H200 bf16
-# measurements of benchmarks/ada_backward_strategies.py; to be reset from its summary table.
+# (rule(b, s, d, dtype), strategy) rows, first match wins.
+# Measured on the H200 (benchmarks/results/nvidia-h200/ada_strategies.csv, bf16, the five
+# DiT shapes of issue 3): the one-launch cuDNN forward was fastest at every shape (the
+# per-sample forward lost 1.2-25x); the captured per-sample backward was fastest at every
+# shape (1.2-12x over cuDNN's AdaLN backward, 1.2-4.3x over the uncaptured launches).
 FORWARD_RULES = (
-    # long, wide samples: the autotuned LayerNorm plans reach ~94% of copy bandwidth
-    (lambda b, s, d, dtype: s >= 2048 and d >= 2048, "per_sample"),
     (lambda b, s, d, dtype: True, "cudnn"),
 )
 BACKWARD_RULES = (
-    (lambda b, s, d, dtype: b <= 8 and s >= 4096 and d <= 1536, "cudnn"),
     (lambda b, s, d, dtype: b == 1, "per_sample"),  # a graph of one launch saves nothing
     (lambda b, s, d, dtype: True, "per_sample_graph"),
 )
