@@ -494,8 +494,9 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 
     Args:
         input: ``[B, *, D]`` (e.g. ``[B, S, D]`` tokens), float16/bfloat16/float32.
-        scale, shift: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype``; broadcast over
-            the tokens of each sample.
+        scale: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype``; broadcast over the
+            tokens of each sample.
+        shift: like ``scale``.
         eps: added to the variance (DiT/PixArt/SD3/Flux use 1e-6).
         one_plus_scale: ``True`` computes DiT's ``modulate``: ``norm(x) * (1 + scale) + shift``;
             ``False`` computes ``norm(x) * scale + shift``.
