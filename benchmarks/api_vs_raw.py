@@ -20,7 +20,8 @@ import time
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs
+from cudnorm import _cache, _graphs
+from cudnorm._bench.cuda_graph import wall_us_per_call
 
 M = 32768
 SIZES = (1024, 4096, 16384)
@@ -126,14 +127,7 @@ def run_autotune(rows):
 
 
 def host_us(fn, calls=2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return wall_us_per_call(fn, calls, warmup=50)
 
 
 def run_host_overhead(rows):

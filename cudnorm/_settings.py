@@ -60,11 +60,7 @@ def _count(name: str, default: str) -> int:
 
 
 def _read() -> Settings:
-    raw_size = os.environ.get("CUDNORM_CACHE_SIZE", "512")
-    try:
-        size = int(raw_size)
-    except ValueError:
-        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be an integer, got {raw_size!r}") from None
+    size = _count("CUDNORM_CACHE_SIZE", "512")
     if size < 1:
         raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be >= 1, got {size}")
     return Settings(
