@@ -1,0 +1,86 @@
+# %% [markdown]
+# # 50 · Performance: the benchmark table and plot
+#
+# A normalisation reads its input once and writes its output once; at the sizes of real
+# models it is limited by memory bandwidth, not arithmetic. `cudnorm bench` therefore
+# reports throughput as
+#
+# $$\text{GB/s} = \frac{\text{bytes read} + \text{bytes written}}{\text{median time}}$$
+#
+# counting each input and output exactly once (the same byte count for every provider, so
+# GB/s ratios are speed ratios), next to the measured device-to-device copy bandwidth, the
+# practical ceiling. Before any provider is timed, its output and gradients are checked
+# against an fp64 reference: its error must be at most twice eager PyTorch's in the same
+# dtype, or it is reported as wrong and not timed.
+#
+# This notebook runs the quick benchmark (two small shapes per op, any device), checks its
+# results, and shows the full GPU results committed in `benchmarks/results/`.
+
+# %%
+import csv
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from IPython.display import Image, Markdown, display
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+out = Path(tempfile.mkdtemp(prefix="cudnorm-bench-"))  # keep the checkout clean
+print(device, "->", out)
+
+# %% [markdown]
+# ## Run `cudnorm bench --quick`
+#
+# On the CPU every provider runs PyTorch code, so the numbers say nothing about cuDNN;
+# the run still exercises the whole pipeline: checks, timing, CSV, table and plot.
+
+# %%
+done = subprocess.run([sys.executable, "-m", "cudnorm.cli", "bench", "--quick", "--out", str(out)],
+                      capture_output=True, text=True)
+print(done.stdout[done.stdout.find("Legend:"):])
+print(done.stderr[-2000:] if done.returncode else "", end="")
+if (out / "bench.png").exists():
+    display(Image(filename=str(out / "bench.png")))
+
+# %% [markdown]
+# ## Check against PyTorch
+#
+# Every cudnorm row must have passed its accuracy check (relative error against the fp64
+# reference at most twice eager PyTorch's, or the dtype's floor), and so must eager PyTorch
+# itself, the baseline of that rule.
+
+# %%
+with open(out / "bench.csv") as f:
+    rows = list(csv.DictReader(f))
+for provider in ("cudnorm", "torch"):
+    mine = [r for r in rows if r["provider"] == provider]
+    assert mine, f"no {provider} rows"
+    bad = [(r["op"], r["shape"], r["status"]) for r in mine if r["status"] != "ok"]
+    assert not bad, bad
+    assert all(float(r["error"]) <= float(r["bound"]) for r in mine)
+    print(f"{provider}: {len(mine)} op/shape cases, all within their error bound")
+assert done.returncode == 0, done.returncode
+
+# %% [markdown]
+# ## Committed GPU results
+#
+# The full benchmark (`cudnorm bench` on a GPU, about eight minutes) writes
+# `benchmarks/results/<gpu-name>/`: `bench.csv`, `bench.png` and `summary.md`. The results
+# committed with this version are shown below; the performance page of the docs shows the
+# same files.
+
+# %%
+results = Path.cwd().parent / "benchmarks" / "results"
+committed = sorted(p for p in results.glob("*/bench.png") if p.parent.name != "cpu")
+if not committed:
+    print(f"No GPU results are committed in {results} yet: run `cudnorm bench` on a GPU to make them.")
+for png in committed:
+    display(Markdown(f"### {png.parent.name}"))
+    display(Image(filename=str(png)))
+
+# %%
+import shutil  # noqa: E402
+
+shutil.rmtree(out)  # the quick run's CSV, plot and summary
