@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU verification in stages, each with its own time limit, logs written as it goes (so a stage
+# cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
+#   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
+# Stages: tests-core tests-ada tests-store tests-rows notebooks api bench-ln bench-rms ada rows
+set -uo pipefail
+out=${1:?output directory}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 CUDNORM_PLAN_STORE_DIR="$out/plan-store"
+pytest_gpu() {  # name, limit, files...: failures are reported inline (-rfE) and as XML
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short \
+    --junitxml="$out/$name.xml" "$@" 2>&1 | grep -vE "nanobind|leaked|skipped remainder" | tee "$out/$name.log" | tail -25
+}
+for stage in "$@"; do
+  echo "== $stage"
+  case $stage in
+    tests-core)  pytest_gpu tests-core 200 tests/test_norms_gpu.py tests/test_bench.py ;;
+    tests-ada)   pytest_gpu tests-ada 150 tests/test_ada_layer_norm.py ;;
+    tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;
+    tests-rows)  pytest_gpu tests-rows 120 tests/test_rows.py ;;
+    notebooks)   timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
+    api)         timeout 120 python3 benchmarks/api_vs_raw.py --out "$out" --parts api,host 2>&1 | tee "$out/api.log" | grep -E "test=|device" ;;
+    bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
+    bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
+    ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
+    rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
