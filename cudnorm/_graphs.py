@@ -181,10 +181,14 @@ class Plan:
     # form for it (cudnn-facts section 5), so store-loaded plans use that form.
     ordered: bool = True
 
+    def __post_init__(self) -> None:
+        self.device = torch.device("cuda", self.spec.device_index)  # parsed once, not per call
+
     def run(self, *buffers: torch.Tensor) -> None:
-        """Execute on the current stream. ``buffers`` follow :func:`roles`."""
+        """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace
+        comes from torch's caching allocator on the current stream."""
         device_index = self.spec.device_index
-        workspace = (torch.empty(self.workspace_size, dtype=torch.uint8, device=f"cuda:{device_index}")
+        workspace = (torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device)
                      if self.workspace_size else None)
         if self.ordered:
             self.graph.execute(buffers, workspace, handle=_runtime.handle(device_index), tensor_uids=self.uids)
