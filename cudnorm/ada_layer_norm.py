@@ -321,17 +321,26 @@ class _CapturedLaunches:
     (device, stream); replays on one stream never overlap, so sharing it is safe. At most
     ``CUDNORM_ADA_GRAPH_CACHE`` entries (default 64; a DiT-XL step makes 56 AdaLN calls)
     are kept, least recently used evicted; 0 disables capture.
+
+    Thrashing guard: when the addresses never repeat (a caller whose buffers move every
+    call), every call would pay a capture. After :attr:`MAX_MISSES` misses of one (spec, B,
+    stream) without a single replay, that family stops capturing and runs the plain
+    launches.
     """
+
+    MAX_MISSES = 8
 
     def __init__(self) -> None:
         self.entries: OrderedDict = OrderedDict()  # key -> (CUDAGraph or None: capture failed, plan)
         self.pools: dict = {}
         self.replays = 0
+        self.misses: dict = {}  # (spec, B, stream) -> misses, or -1 once it has replayed
 
     def run(self, plan, bases) -> None:
         device = plan.spec.device_index
         stream = _runtime.current_stream_ptr(device)
-        key = (plan.spec, len(bases[0]), stream, *(t.data_ptr() for t in bases))
+        family = (plan.spec, len(bases[0]), stream)
+        key = (*family, *(t.data_ptr() for t in bases))
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
@@ -340,10 +349,14 @@ class _CapturedLaunches:
             else:
                 entry[0].replay()
                 self.replays += 1
+                self.misses[family] = -1
             return
         _launch_per_sample(plan, bases)
+        misses = self.misses.get(family, 0)
+        if 0 <= misses:
+            self.misses[family] = misses + 1
         limit = _settings.current.ada_graph_cache
-        if limit:
+        if limit and misses < self.MAX_MISSES:
             self.entries[key] = (self._capture(plan, bases, device, stream), plan)  # the plan owns the kernels
             while len(self.entries) > limit:
                 self.entries.popitem(last=False)
@@ -375,6 +388,7 @@ class _CapturedLaunches:
     def clear(self) -> None:
         self.entries.clear()
         self.pools.clear()
+        self.misses.clear()
 
 
 _captured = _CapturedLaunches()

@@ -456,3 +456,33 @@ def test_gpu_compile_fullgraph(cudnorm_env):
     cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
     cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
     _compiled_matches_eager("cuda")
+
+
+def test_captured_backward_stops_capturing_when_addresses_never_repeat(monkeypatch):
+    """The thrashing guard of the per-sample graph cache, with the CUDA parts faked: a
+    caller whose buffers move on every call pays at most MAX_MISSES captures."""
+    ada = importlib.import_module("cudnorm.ada_layer_norm")
+    captures, launches = [], []
+
+    class FakeGraph:
+        def replay(self):
+            launches.append("replay")
+
+    monkeypatch.setattr(ada, "_launch_per_sample", lambda plan, bases: launches.append("eager"))
+    monkeypatch.setattr(ada._runtime, "current_stream_ptr", lambda device: 7)
+    cache = ada._CapturedLaunches()
+    monkeypatch.setattr(cache, "_capture", lambda plan, bases, device, stream: captures.append(1) or FakeGraph())
+    plan = type("FakePlan", (), {"spec": ada.NormSpec("layer_norm", "bwd", 8, 16, torch.float32,
+                                                       torch.float32, 0)})()
+    kept = []
+    for _ in range(3 * cache.MAX_MISSES):  # fresh buffers every call: never the same key
+        bases = [torch.empty(4, 16) for _ in range(8)]
+        kept.append(bases)
+        cache.run(plan, bases)
+    assert len(captures) == cache.MAX_MISSES and launches.count("eager") == 3 * cache.MAX_MISSES
+    other = ada._CapturedLaunches()
+    monkeypatch.setattr(other, "_capture", lambda plan, bases, device, stream: captures.append(1) or FakeGraph())
+    steady = [torch.empty(4, 16) for _ in range(8)]
+    for _ in range(3):
+        other.run(plan, steady)
+    assert other.replays == 2, "a steady caller is captured once, then replayed"
