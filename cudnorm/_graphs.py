@@ -181,19 +181,14 @@ class Plan:
     # form for it (cudnn-facts section 5), so store-loaded plans use that form.
     ordered: bool = True
 
-    def __post_init__(self) -> None:
-        self.device = torch.device("cuda", self.spec.device_index)  # parsed once, not per call
-
     def run(self, *buffers: torch.Tensor) -> None:
-        """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace
-        comes from torch's caching allocator on the current stream."""
-        device_index = self.spec.device_index
-        workspace = (torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device)
-                     if self.workspace_size else None)
+        """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace is
+        this stream's cached buffer (:func:`cudnorm._runtime.handle_and_workspace`)."""
+        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
         if self.ordered:
-            self.graph.execute(buffers, workspace, handle=_runtime.handle(device_index), tensor_uids=self.uids)
+            self.graph.execute(buffers, workspace, handle=h, tensor_uids=self.uids)
         else:
-            self.graph.execute(dict(zip(self.uids, buffers)), workspace, handle=_runtime.handle(device_index))
+            self.graph.execute(dict(zip(self.uids, buffers)), workspace, handle=h)
 
 
 _kernel_caches: dict = {}

@@ -20,9 +20,10 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached plan, the row-count history of the chunking policy and the
-    counters (the on-disk store is untouched)."""
+    """Drop every cached plan, the row-count history of the chunking policy, the counters
+    and this thread's cached workspaces (the on-disk store is untouched)."""
     _cache.plans.clear()
+    _runtime.release_workspaces()
     _rows.reset()
     importlib.import_module("cudnorm.ada_layer_norm").clear_captured_graphs()  # its CUDA graphs hold plans
 

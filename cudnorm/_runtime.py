@@ -77,19 +77,28 @@ def _arch_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= MIN_COMPUTE_CAPABILITY
 
 
+_routes: dict[int, tuple] = {}  # device index -> (settings it was computed under, answer)
+
+
 def route(tensor: torch.Tensor) -> str | None:
     """``None`` when cuDNN can serve an op on ``tensor``, else the reason it cannot.
-    Runs on every call: attribute reads and memoised answers only."""
+    Runs on every call: the answer per device is memoised until the settings change."""
     if not tensor.is_cuda:
         return f"{tensor.device.type} tensor"
+    index = tensor.get_device()
+    known = _routes.get(index)
+    if known is not None and known[0] is _settings.current:
+        return known[1]
     status = cudnn_status()
     if not status.available:
-        return status.reason
-    index = tensor.get_device()
-    if not _arch_ok(index):
+        reason = status.reason
+    elif not _arch_ok(index):
         cap = torch.cuda.get_device_capability(index)
-        return f"compute capability {cap[0]}.{cap[1]} is below {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
-    return None
+        reason = f"compute capability {cap[0]}.{cap[1]} is below {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
+    else:
+        reason = None
+    _routes[index] = (_settings.current, reason)
+    return reason
 
 
 def torch_to_cudnn_dtype(dtype: torch.dtype):
@@ -104,7 +113,7 @@ def torch_to_cudnn_dtype(dtype: torch.dtype):
 
 
 class _Handles(threading.local):
-    """Per-thread ``{device_index: [handle, stream the handle is bound to]}``."""
+    """Per-thread ``{device_index: [handle, stream the handle is bound to, {stream: workspace}]}``."""
 
     def __init__(self) -> None:
         self.by_device: dict[int, list] = {}
@@ -113,6 +122,9 @@ class _Handles(threading.local):
 _handles = _Handles()
 # torch's private raw getter costs ~0.1 us; torch.cuda.current_stream() builds an object (~3 us).
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_MAX_STREAMS_WITH_WORKSPACE = 16
+_U8 = torch.uint8
 
 
 def current_stream_ptr(device_index: int) -> int:
@@ -121,23 +133,56 @@ def current_stream_ptr(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+def _bound_entry(device_index: int) -> list:
+    stream = current_stream_ptr(device_index)
+    entry = _handles.by_device.get(device_index)
+    if entry is None:
+        with torch.cuda.device(device_index):
+            entry = [cudnn_module().create_handle(), None, {}]
+        _handles.by_device[device_index] = entry
+    if entry[1] != stream:
+        cudnn_module().set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry
+
+
 def handle(device_index: int):
     """This thread's cuDNN handle for ``device_index``, bound to torch's current stream.
 
     The stream is re-bound only when it changed since the last call, which keeps the
     steady-state cost to one dictionary lookup and one integer comparison.
     """
-    cudnn = cudnn_module()
-    stream = current_stream_ptr(device_index)
-    entry = _handles.by_device.get(device_index)
-    if entry is None:
-        with torch.cuda.device(device_index):
-            entry = [cudnn.create_handle(), None]
-        _handles.by_device[device_index] = entry
-    if entry[1] != stream:
-        cudnn.set_stream(handle=entry[0], stream=stream)
-        entry[1] = stream
-    return entry[0]
+    return _bound_entry(device_index)[0]
+
+
+def handle_and_workspace(device_index: int, nbytes: int):
+    """``(handle, workspace)`` for one execute on the current stream: the handle as
+    :func:`handle` gives it, and a uint8 CUDA buffer of at least ``nbytes`` (``None`` for 0).
+
+    The workspace is kept per (thread, device, stream) and grows when a plan needs more:
+    allocating it per call cost ~3 us of host time. Reuse is safe because every execute
+    that uses it is ordered on that one stream. While the stream is being captured into a
+    CUDA graph a fresh buffer comes from the graph's memory pool instead, so a replay never
+    writes into memory the cache later frees or grows.
+    """
+    entry = _bound_entry(device_index)
+    if not nbytes:
+        return entry[0], None
+    if _capturing():
+        return entry[0], torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
+    workspaces = entry[2]
+    ws = workspaces.get(entry[1])
+    if ws is None or ws.numel() < nbytes:
+        if len(workspaces) >= _MAX_STREAMS_WITH_WORKSPACE:
+            workspaces.clear()
+        ws = workspaces[entry[1]] = torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
+    return entry[0], ws
+
+
+def release_workspaces() -> None:
+    """Drop this thread's cached workspaces (``cudnorm.clear_cache()`` calls it)."""
+    for entry in _handles.by_device.values():
+        entry[2].clear()
 
 
 def device_fingerprint(device_index: int) -> dict:

@@ -435,7 +435,6 @@ def _(dy, x, scale, mean, rstd, one_plus_scale):
 def _setup_context(ctx, inputs, output):
     x, scale, shift, _eps, one_plus_scale, _training = inputs
     _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, scale, mean, rstd)
     ctx.one_plus_scale = one_plus_scale
     ctx.shift_dtype = shift.dtype
@@ -445,7 +444,7 @@ def _make_backward(backward_fn):
     """The autograd backward, calling ``backward_fn``: the custom op when registered for
     traced graphs, the plain implementation in the eager ``autograd.Function``."""
 
-    def backward(ctx, dy, _dmean, _drstd):
+    def backward(ctx, dy):
         x, scale, mean, rstd = ctx.saved_tensors
         if mean.numel() == 0:
             raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
@@ -456,7 +455,7 @@ def _make_backward(backward_fn):
     return backward
 
 
-ada_layer_norm_fwd.register_autograd(_make_backward(ada_layer_norm_bwd), setup_context=_setup_context)
+_dispatch.register_autograd(ada_layer_norm_fwd, _setup_context, _make_backward(ada_layer_norm_bwd))
 _AdaLayerNormFunction = _dispatch.eager_autograd("_AdaLayerNormFunction", _forward, _setup_context,
                                                  _make_backward(_backward_impl))
 
@@ -531,7 +530,7 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
     if not _dispatch.eager(input):
         y = ada_layer_norm_fwd(x, sc, sh, eps, one_plus_scale, training)[0]
     elif training:
-        y = _AdaLayerNormFunction.apply(x, sc, sh, eps, one_plus_scale, training)[0]
+        y = _AdaLayerNormFunction.apply(x, sc, sh, eps, one_plus_scale, training)
     else:
         y = _run_forward(x, sc, sh, eps, one_plus_scale, False)[0]
     return y if flat else y.view(input.shape)

@@ -132,7 +132,6 @@ def _(dy, x, weight, mean, rstd):
 def _setup_context(ctx, inputs, output):
     x, weight, bias, eps, training = inputs
     _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -141,7 +140,7 @@ def _make_backward(backward_fn):
     """The autograd backward, calling ``backward_fn``: the custom op when registered for
     traced graphs, the plain implementation in the eager ``autograd.Function``."""
 
-    def backward(ctx, dy, _dmean, _drstd):
+    def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         if mean.numel() == 0:
             raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
@@ -154,7 +153,7 @@ def _make_backward(backward_fn):
     return backward
 
 
-layer_norm_fwd.register_autograd(_make_backward(layer_norm_bwd), setup_context=_setup_context)
+_dispatch.register_autograd(layer_norm_fwd, _setup_context, _make_backward(layer_norm_bwd))
 _LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _setup_context,
                                               _make_backward(_backward_impl))
 
@@ -189,7 +188,7 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     if not _dispatch.eager(input):
         y = layer_norm_fwd(x, w, b, eps, training)[0]
     elif training:
-        y = _LayerNormFunction.apply(x, w, b, eps, training)[0]
+        y = _LayerNormFunction.apply(x, w, b, eps, training)
     else:
         y = _infer(x, w, b, eps)
     return y if flat else y.view(input.shape)

@@ -116,7 +116,6 @@ def _(dy, x, weight, rstd):
 def _setup_context(ctx, inputs, output):
     x, weight, eps, training = inputs
     _, rstd = output
-    ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, weight, rstd)
 
 
@@ -124,7 +123,7 @@ def _make_backward(backward_fn):
     """The autograd backward, calling ``backward_fn``: the custom op when registered for
     traced graphs, the plain implementation in the eager ``autograd.Function``."""
 
-    def backward(ctx, dy, _drstd):
+    def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         if rstd.numel() == 0:
             raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
@@ -135,7 +134,7 @@ def _make_backward(backward_fn):
     return backward
 
 
-rms_norm_fwd.register_autograd(_make_backward(rms_norm_bwd), setup_context=_setup_context)
+_dispatch.register_autograd(rms_norm_fwd, _setup_context, _make_backward(rms_norm_bwd))
 _RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup_context,
                                             _make_backward(_backward_impl))
 
@@ -166,7 +165,7 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     if not _dispatch.eager(input):
         y = rms_norm_fwd(x, w, eps, training)[0]
     elif training:
-        y = _RMSNormFunction.apply(x, w, eps, training)[0]
+        y = _RMSNormFunction.apply(x, w, eps, training)
     else:
         y = _infer(x, w, eps)
     return y if flat else y.view(input.shape)

@@ -1,0 +1,133 @@
+"""Where the host time of one cudnorm call goes, layer by layer (GPU only).
+
+Each row is the wall time per call of 2000 back-to-back calls with one synchronize at the
+end, at a shape small enough that the GPU is idle most of the time, so the figure is host
+time. Layers, innermost first: the frontend's ordered execute on fixed buffers, the same with
+a freshly allocated output, ``Plan.run``, the op implementation, and the public API; torch's
+own kernel for comparison. Then the same for the backward, and a cProfile of the API calls.
+
+Run: PYTHONPATH=. python benchmarks/host_profile.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import cProfile
+import csv
+import io
+import os
+import pstats
+
+import torch
+import torch.nn.functional as F
+
+import cudnorm
+from cudnorm import _cache, _graphs, _runtime
+from cudnorm._bench.cuda_graph import wall_us_per_call
+
+ln_mod = importlib.import_module("cudnorm.layer_norm")  # the package exports the function under this name
+
+M, N = 64, 4096
+CALLS = 2000
+
+
+def _plan(op: str, phase: str, rows: int):
+    return [_cache.plans.lookup(s) for s in _cache.plans.specs() if (s.op, s.phase, s.rows) == (op, phase, rows)][-1]
+
+
+def _raw(plan, buffers):
+    ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    h = _runtime.handle(0)
+    return lambda: plan.graph.execute(buffers, ws, handle=h, tensor_uids=plan.uids)
+
+
+def forward_layers(dtype) -> dict:
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=dtype)
+    b = torch.randn_like(w)
+    with torch.no_grad():
+        cudnorm.layer_norm(x, (N,), w, b)
+        plan = _plan("layer_norm", "infer", M)
+        wb = (w.to(torch.bfloat16), b.to(torch.bfloat16))
+        y = torch.empty_like(x)
+        eps = _graphs.host_scalar(1e-5, plan.spec)
+        fixed = (x, *wb, eps, y)
+        layers = {
+            "raw execute, fixed buffers": _raw(plan, fixed),
+            "raw execute, new output": lambda: _raw(plan, (x, *wb, eps, torch.empty_like(x)))(),
+            "Plan.run, fixed buffers": lambda: plan.run(*fixed),
+            "layer_norm._infer": lambda: ln_mod._infer(x, w, b, 1e-5),
+            "cudnorm.layer_norm": lambda: cudnorm.layer_norm(x, (N,), w, b),
+        }
+        if dtype is x.dtype:  # torch's CUDA LayerNorm refuses mixed bf16 input / fp32 weight
+            layers["torch F.layer_norm"] = lambda: F.layer_norm(x, (N,), w, b)
+        return {name: wall_us_per_call(fn, CALLS, warmup=50) for name, fn in layers.items()}
+
+
+def backward_layers(rows: int, cols: int, dtype) -> dict:
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn_like(w, requires_grad=True)
+    dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    y = cudnorm.layer_norm(x, (cols,), w, b)
+    _, mean, rstd = ln_mod._forward(x.detach(), w.detach(), b.detach(), 1e-5, True)
+    yt = F.layer_norm(x, (cols,), w.to(x.dtype), b.to(x.dtype))
+    ln_mod._backward_impl(dy, x.detach(), w.detach(), mean, rstd)
+    plan = _plan("layer_norm", "bwd", rows)
+    fixed = (x.detach(), w.detach().float(), dy, mean, rstd, torch.empty_like(x), torch.empty(cols, device="cuda"),
+             torch.empty(cols, device="cuda"))
+    layers = {
+        "raw execute, fixed buffers": _raw(plan, fixed),
+        "Plan.run, fixed buffers": lambda: plan.run(*fixed),
+        "layer_norm._backward_impl": lambda: ln_mod._backward_impl(dy, x.detach(), w.detach(), mean, rstd),
+        "autograd.grad cudnorm": lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
+        "autograd.grad torch": lambda: torch.autograd.grad(yt, (x, w, b), dy, retain_graph=True),
+    }
+    return {name: wall_us_per_call(fn, CALLS if rows <= 4096 else 300, warmup=30) for name, fn in layers.items()}
+
+
+def profile(fn, calls=CALLS, top=18) -> str:
+    for _ in range(50):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    print(f"device {torch.cuda.get_device_name()}  cudnn {cudnorm.info()['cudnn_backend']}")
+    rows = []
+    for wdtype in (torch.bfloat16, torch.float32):
+        for name, us in forward_layers(wdtype).items():
+            rows.append(dict(direction="fwd infer", shape=f"{M}x{N}", weight=str(wdtype)[6:], layer=name, us_per_call=us))
+    for shape in ((M, N), (32768, 1024)):
+        for wdtype in (torch.bfloat16, torch.float32):
+            for name, us in backward_layers(*shape, wdtype).items():
+                rows.append(dict(direction="bwd", shape="x".join(map(str, shape)), weight=str(wdtype)[6:], layer=name,
+                                 us_per_call=us))
+    with open(os.path.join(args.out, "host_profile.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    for r in rows:
+        print(f"{r['direction']:9s} {r['shape']:>10s} w={r['weight']:8s} {r['layer']:30s} {r['us_per_call']:8.1f} us")
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        print(profile(lambda: cudnorm.layer_norm(x, (N,), w, w)))
+    dy = torch.randn_like(x)
+    _, mean, rstd = ln_mod._forward(x, w, w, 1e-5, True)
+    print(profile(lambda: ln_mod._backward_impl(dy, x, w, mean, rstd)))
+
+
+if __name__ == "__main__":
+    main()
