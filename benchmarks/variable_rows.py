@@ -4,9 +4,11 @@ One training step (``y = norm(x); y.backward(dy)``, bf16 x, fp32 weight/bias, N 
 each of ``--counts`` distinct random row counts in [1, 65536] (seeded). Each mode runs in a
 fresh interpreter with the on-disk plan store off, so its builds are its own:
 
-* ``exact``: every row count gets its own graphs (``CUDNORM_EXACT_ROWS`` = counts + 1);
-* ``chunked``: the library default (``cudnorm._rows``: first row count exact, later ones on
-  shared chunk graphs); ``--fwd-chunks``/``--bwd-chunks`` try other chunk sizes.
+* ``exact``: every row count gets its own graphs at its first call (``CUDNORM_EXACT_ROWS`` =
+  counts + 1, ``CUDNORM_EXACT_AFTER`` = 1);
+* ``chunked``: the library default (``cudnorm._rows``: shared chunk graphs; a count gets exact
+  graphs only after 8 calls, which no count reaches here); ``--fwd-chunks``/``--bwd-chunks``
+  try other chunk sizes.
 
 Pass 1 builds (reported: builds, build seconds). Then ``--passes`` timed passes over the
 same counts (CUDA events per step and per pass); the table gives the median pass total and
@@ -94,7 +96,7 @@ def worker(args) -> None:
 def run_mode(args, op: str, mode: str) -> dict:
     env = {**os.environ, "CUDNORM_PLAN_STORE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if mode == "exact":
-        env["CUDNORM_EXACT_ROWS"] = str(args.counts + 1)
+        env.update(CUDNORM_EXACT_ROWS=str(args.counts + 1), CUDNORM_EXACT_AFTER="1")
     cmd = [sys.executable, __file__, "--worker", "--op", op, "--counts", str(args.counts), "--seed", str(args.seed),
            "--passes", str(args.passes)]
     if mode == "chunked":

@@ -10,6 +10,7 @@ No autograd here: the op modules decide *what* to run, this module only knows *h
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 
@@ -164,6 +165,69 @@ def host_scalar(value: float, spec: NormSpec, _cache: dict = {}) -> torch.Tensor
     return tensor
 
 
+#: Frontend versions whose private raw-pointer execute (``backend_graph._execute_with_raw_ptrs``)
+#: was verified bit-identical to the public ``execute`` by ``tests/test_norms_gpu.py``. Any other
+#: version takes the public path: a private signature may change meaning without an error.
+RAW_EXECUTE_FRONTENDS = ("1.32.",)
+
+
+class RawExecute:
+    """Launches a built plan through the frontend's C++ graph with a pointer array, skipping
+    the public ``execute``'s per-call Python (binding checks, variant-pack normalisation).
+
+    The public ordered execute costs 14-18 us of host time per launch on an H200 when called
+    back to back, and 20-60 us inside a training step where its state is cold
+    (``benchmarks/probe_session3.py launch|rows``); this path does the same backend call.
+    Built by :meth:`for_graph`, which returns ``None`` whenever anything it relies on is absent.
+    """
+
+    __slots__ = ("_execute", "_arg_of_slot", "_array_type", "_index")
+
+    def __init__(self, execute, arg_of_slot: tuple[int, ...], index: int) -> None:
+        self._execute = execute
+        self._arg_of_slot = arg_of_slot
+        self._array_type = ctypes.c_void_p * len(arg_of_slot)
+        self._index = index
+
+    @staticmethod
+    def enabled() -> bool:
+        from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
+
+        version = str(getattr(_runtime.cudnn_module(), "__version__", ""))
+        return _settings.current.raw_execute and version.startswith(RAW_EXECUTE_FRONTENDS)
+
+    @classmethod
+    def for_graph(cls, g, uids: tuple[int, ...]) -> "RawExecute | None":
+        """The raw launcher of a built (or deserialized) graph whose caller-filled slots are
+        exactly ``uids``, or ``None`` (then the public ``execute`` is used)."""
+        if not cls.enabled():
+            return None
+        try:
+            if getattr(g, "selected_engine", None) is not None:
+                return None  # a Python engine (sm100 norm kernels): only the public path runs it
+            order = list(g._variant_pack_uids())  # the backend's slots, ascending uid
+            if sorted(order) != sorted(uids):
+                return None
+            index = -1
+            if g._plans:
+                cpp_index = g._materialize_backend_plan(g._plan_index or 0).cpp_index
+                index = -1 if cpp_index is None else int(cpp_index)
+            return cls(g._lowered_graph._execute_with_raw_ptrs, tuple(uids.index(u) for u in order), index)
+        except Exception:  # any private detail missing: the public path is always correct
+            return None
+
+    def __call__(self, buffers, workspace, h) -> None:
+        self.launch([b.data_ptr() for b in buffers], workspace, h)
+
+    def launch(self, pointers: list[int], workspace, h) -> None:
+        """Execute with device (or, for pass-by-value scalars, host) addresses given in
+        :func:`roles` order: callers that cut buffers into row ranges pass offset addresses
+        instead of making a tensor view per range."""
+        array = self._array_type(*[pointers[i] for i in self._arg_of_slot])
+        self._execute(ctypes.addressof(array), len(self._arg_of_slot),
+                      0 if workspace is None else workspace.data_ptr(), h.backend_handle, self._index)
+
+
 @dataclass
 class Plan:
     """A built, runnable cuDNN graph for one :class:`NormSpec`."""
@@ -180,11 +244,28 @@ class Plan:
     # A deserialized graph has no ranked plan list; the frontend documents the {uid: tensor}
     # form for it (cudnn-facts section 5), so store-loaded plans use that form.
     ordered: bool = True
+    raw: RawExecute | None = None  # the fast launcher, when RawExecute.for_graph allows one
 
     def run(self, *buffers: torch.Tensor) -> None:
         """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace is
         this stream's cached buffer (:func:`cudnorm._runtime.handle_and_workspace`)."""
         h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
+        if self.raw is not None:
+            self.raw(buffers, workspace, h)
+        else:
+            self._execute_public(buffers, workspace, h)
+
+    def run_pointers(self, pointers: list[int]) -> None:
+        """:meth:`run` with addresses instead of tensors (only when :attr:`raw` is set)."""
+        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
+        self.raw.launch(pointers, workspace, h)
+
+    def run_public(self, *buffers: torch.Tensor) -> None:
+        """:meth:`run` through the frontend's public ``execute`` only (tests compare the two)."""
+        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
+        self._execute_public(buffers, workspace, h)
+
+    def _execute_public(self, buffers, workspace, h) -> None:
         if self.ordered:
             self.graph.execute(buffers, workspace, handle=h, tensor_uids=self.uids)
         else:
@@ -204,9 +285,32 @@ def _kernel_cache(spec: NormSpec):
     return cache
 
 
-def _heuristics():
+def _heuristic_modes(full: bool) -> list:
+    """Heuristic modes asked for candidate plans. Mode A alone lists the same first plan as
+    A + B + FALLBACK (their lists are concatenated, A's first) at a fraction of the cost: a
+    LayerNorm backward at N = 4096 (H200) spent 0.28-0.35 s in mode A vs 0.57-0.80 s in all
+    three (``benchmarks/probe_session3.py build``). Autotuning wants every candidate."""
     cudnn = _runtime.cudnn_module()
-    return [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]
+    if full:
+        return [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]
+    return [cudnn.heur_mode.A]
+
+
+def _finalise(spec: NormSpec, h, *, full_heuristics: bool):
+    """``(graph, uids, timings)``: the graph of ``spec`` validated, with one plan built (the
+    fastest timed one when autotuning, else the heuristics' first)."""
+    g, uids = build_ir(spec, handle=h, kernel_cache=_kernel_cache(spec) if spec.dynamic else None)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans(_heuristic_modes(full_heuristics))
+    g.check_support()
+    timings: dict = {}
+    if spec.autotune and g.get_execution_plan_count() > 1:
+        timings = _time_plans(g, spec)
+        g.build_plan_at_index(min(timings, key=timings.get))
+    else:
+        g.build_plans()
+    return g, uids, timings
 
 
 def build_plan(spec: NormSpec) -> Plan:
@@ -218,22 +322,17 @@ def build_plan(spec: NormSpec) -> Plan:
     start = time.perf_counter()
     with torch.cuda.device(spec.device_index):
         h = _runtime.handle(spec.device_index)
-        g, uids = build_ir(spec, handle=h, kernel_cache=_kernel_cache(spec) if spec.dynamic else None)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans(_heuristics())
-        g.check_support()
-        timings: dict = {}
-        if spec.autotune and g.get_execution_plan_count() > 1:
-            timings = _time_plans(g, spec)
-            best = min(timings, key=timings.get)
-            g.build_plan_at_index(best)
-        else:
-            g.build_plans()
+        try:
+            g, uids, timings = _finalise(spec, h, full_heuristics=spec.autotune)
+        except Exception:
+            if spec.autotune:
+                raise
+            # mode A had no plan that builds: ask modes B and FALLBACK too before declining
+            g, uids, timings = _finalise(spec, h, full_heuristics=True)
         workspace = int(g.get_workspace_size())
         name = _selected_plan_name(g)
     return Plan(spec, g, uids, workspace, name, time.perf_counter() - start,
-                candidates_timed=len(timings), timings_ms=timings)
+                candidates_timed=len(timings), timings_ms=timings, raw=RawExecute.for_graph(g, uids))
 
 
 def _selected_plan_name(g) -> str:
@@ -308,4 +407,5 @@ def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized
         g.deserialize(h, blob)
         workspace = int(g.get_workspace_size())
     uids = tuple(UIDS[r] for r in roles(spec))
-    return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store", ordered=False)
+    return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store", ordered=False,
+                raw=RawExecute.for_graph(g, uids))

@@ -5,29 +5,33 @@ A cuDNN norm graph is built for one row count ``M`` (0.25-0.3 s for a LayerNorm 
 cuDNN >= 9.21. A run over many distinct ``M`` would spend its time building. So, per norm
 *family* (a spec without its row count):
 
-* the first ``CUDNORM_EXACT_ROWS`` distinct row counts (default 1) get exact graphs, as
-  before: fixed-shape training keeps its exact-shape speed and builds nothing more;
-* later row counts are cut into chunks of a few fixed sizes (:data:`CHUNK_ROWS`), each
-  chunk one launch of a cached chunk graph on pointer offsets into the row dimension. Rows
-  are independent, so the output is the same function; the backward's dW/dB are summed in
+* a row count gets exact graphs once it has been asked for ``CUDNORM_EXACT_AFTER`` times
+  (default 8), for at most ``CUDNORM_EXACT_ROWS`` counts per family (default 1): fixed-shape
+  training reaches its exact-shape speed after a few steps, while a run over many counts
+  that seldom repeat builds no exact graph it would use a handful of times;
+* the other calls are cut into chunks of a few fixed sizes (:data:`CHUNK_ROWS`), each
+  chunk one launch of a cached chunk graph on offsets into the row dimension. Rows are
+  independent, so the output is the same function; the backward's dW/dB are summed in
   fp32 from one partial row per chunk;
-* a remainder shorter than the smallest chunk is covered by one smallest-size chunk that
-  *ends* at row ``M`` and overlaps the rows before it. It runs first; the full chunks run
-  after it (same stream) and rewrite the overlapped rows. In the backward its ``dy`` is a
-  copy whose overlapped rows are zero, so they add nothing to dW/dB (and get ``dx = 0``
-  until rewritten);
-* a row count below the smallest chunk runs PyTorch's kernels (the call is tiny).
+* rows left over are covered by one more chunk that *ends* at row ``M`` and overlaps the
+  rows before it. It runs first; the other chunks run after it (same stream) and rewrite
+  the overlapped rows. In the backward it has the smallest size and its ``dy`` is a copy
+  whose overlapped rows are zero, so they add nothing to dW/dB (and get ``dx = 0`` until
+  rewritten). In the forward, where overlapped rows cost only recomputation, it is the
+  first size whose chunk is at least half filled (:func:`decompose`), which saves launches;
+* a row count below the smallest chunk runs PyTorch's kernels (the call is tiny) until it
+  is promoted to exact graphs.
 
 Forward chunk graphs are dynamic-shape graphs sharing a kernel cache, which makes a further
-forward build 0.03-0.06 s instead of ~0.25 s; it does not help backward builds (measured in
+forward build 0.02-0.06 s instead of ~0.25 s; it does not help backward builds (measured in
 ``benchmarks/probe_rows.py``). The chunk sizes trade build time (one graph per size and
-phase) against launch count and the remainder's overlap; ``benchmarks/variable_rows.py``
-measures both.
+phase) against launch count and the overlap; ``benchmarks/variable_rows.py`` measures both.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +49,16 @@ _ROW_ROLES = frozenset({"x", "y", "dy", "dx", "mean", "rstd"})
 _STAT_ROLES = ("mean", "rstd")
 _SUM_ROLES = ("dscale", "dbias")
 
+# Whether the overlapping chunk may be any size (forward) or only the smallest (backward: its dy
+# is copied, so a large overlapping chunk would copy up to a chunk of dy per call).
+OVERLAP_ANY_SIZE = {"train": True, "infer": True, "bwd": False}
+
 _exact_rows: dict[NormSpec, set[int]] = {}  # family -> row counts given exact graphs
+# spec -> [ChunkedPlan or None (PyTorch's kernels), times asked for]: a repeated row count skips
+# the policy until it may be promoted to exact graphs
+_memo: OrderedDict = OrderedDict()
+_MEMO_CAPACITY = 4096
+_memo_settings = None  # the settings _memo was filled under
 _lock = threading.Lock()
 
 
@@ -56,13 +69,21 @@ def plan_or_chunks(spec: NormSpec):
     value = _cache.plans.lookup(spec)
     if value is not None and not _dispatch._recorders:
         return None if value is _cache.DECLINED else value
+    entry = _memo.get(spec)
+    if entry is not None and _memo_settings is _settings.current and not _dispatch._recorders:
+        entry[1] += 1
+        if entry[1] != _settings.current.exact_after:  # only then may the count be promoted
+            _cache.plans.record_rows_path(chunked=entry[0] is not None)
+            return entry[0]
     return _resolve(spec)
 
 
 def reset() -> None:
-    """Forget which row counts got exact graphs (the next ones of each family will)."""
+    """Forget which row counts got exact graphs and how often counts were seen, and the
+    chunked plans made so far."""
     with _lock:
         _exact_rows.clear()
+        _memo.clear()
 
 
 def family(spec: NormSpec) -> NormSpec:
@@ -80,22 +101,44 @@ def chunkable(spec: NormSpec) -> bool:
 def _resolve(spec: NormSpec):
     if not chunkable(spec):
         return _dispatch.get_plan(spec)
+    current = _settings.current
     with _lock:
         exact = _exact_rows.setdefault(family(spec), set())
-        admitted = spec.rows in exact or len(exact) < _settings.current.exact_rows
+        entry = _memo.get(spec) if _memo_settings is current else None
+        seen = 1 if entry is None else entry[1]
+        admitted = spec.rows in exact or (len(exact) < current.exact_rows and seen >= current.exact_after)
         if admitted:
             exact.add(spec.rows)
+            _memo.pop(spec, None)
     if admitted:
         return _dispatch.get_plan(spec)
-    split = decompose(spec.rows, CHUNK_ROWS[spec.phase])
+    if entry is not None:  # asked for often enough, but the family has its exact counts
+        _cache.plans.record_rows_path(chunked=entry[0] is not None)
+        return entry[0]
+    split = decompose(spec.rows, CHUNK_ROWS[spec.phase], any_size_overlap=OVERLAP_ANY_SIZE[spec.phase])
     if split is None:
+        _remember(spec, None)
         _cache.plans.record_rows_path(chunked=False)
         return None
     chunks, overlap = split
     plans = {size: _dispatch.get_plan(chunk_spec(spec, size)) for size in {size for _, size in chunks}}
     if None in plans.values():  # cuDNN declined a chunk graph: ask for the exact one as before
         return _dispatch.get_plan(spec)
-    return ChunkedPlan(spec, chunks, overlap, plans)
+    chunked = ChunkedPlan(spec, chunks, overlap, plans)
+    _remember(spec, chunked)
+    _cache.plans.record_rows_path(chunked=True)
+    return chunked
+
+
+def _remember(spec: NormSpec, chunked) -> None:
+    global _memo_settings
+    with _lock:
+        if _memo_settings is not _settings.current:
+            _memo.clear()
+            _memo_settings = _settings.current
+        _memo[spec] = [chunked, 1]
+        if len(_memo) > _MEMO_CAPACITY:
+            _memo.popitem(last=False)
 
 
 def chunk_spec(spec: NormSpec, rows: int) -> NormSpec:
@@ -108,14 +151,17 @@ def chunk_spec(spec: NormSpec, rows: int) -> NormSpec:
     return spec._replace(rows=rows, autotune=False, dynamic=spec.phase in DYNAMIC_PHASES)
 
 
-def decompose(rows: int, sizes: tuple[int, ...]) -> tuple[list[tuple[int, int]], int] | None:
+def decompose(rows: int, sizes: tuple[int, ...], *, any_size_overlap: bool = False
+              ) -> tuple[list[tuple[int, int]], int] | None:
     """``(chunks, overlap)``: ``(start, size)`` chunks covering ``[0, rows)``, or ``None`` if
     ``rows < min(sizes)``.
 
-    Greedy, largest size first. A remainder ``r < min(sizes)`` becomes one chunk of the
-    smallest size ending at ``rows``, listed *first*, whose first ``overlap = min(sizes) - r``
-    rows belong to later chunks too (they rewrite them). Every other row is in exactly one
-    chunk; ``overlap`` is 0 when there is no remainder.
+    Greedy, largest size first. Rows left over are covered by one chunk ending at ``rows``,
+    listed *first*, whose first ``overlap`` rows belong to later chunks too (they rewrite
+    them); every other row is in exactly one chunk, and ``overlap`` is 0 when nothing is
+    left over. That chunk has the smallest size, or with ``any_size_overlap`` the first size
+    (largest first) whose chunk the left-over rows fill at least half of, which replaces
+    several smaller launches by one.
     """
     smallest = min(sizes)
     if rows < smallest:
@@ -125,15 +171,19 @@ def decompose(rows: int, sizes: tuple[int, ...]) -> tuple[list[tuple[int, int]],
         while rows - start >= size:
             chunks.append((start, size))
             start += size
-    overlap = 0
-    if start < rows:
-        overlap = smallest - (rows - start)
-        chunks.insert(0, (rows - smallest, smallest))
-    return chunks, overlap
+        left = rows - start
+        if left and (size == smallest or (any_size_overlap and 2 * left >= size)):
+            chunks.insert(0, (rows - size, size))
+            return chunks, size - left
+    return chunks, 0
 
 
 class ChunkedPlan:
     """Runs one call of ``spec`` as launches of chunk plans (see the module docstring).
+
+    Everything that does not depend on the buffers (which slots are cut, the split sizes,
+    the bound ``run`` of each chunk plan) is worked out here once: a call costs one
+    ``split`` per row buffer plus one execute per chunk (15-18 us of host time each).
 
     Args:
         spec: the exact spec of the call (``spec.rows`` = M).
@@ -146,46 +196,144 @@ class ChunkedPlan:
         self.chunks = chunks
         self.overlap = overlap
         self.plans = plans
+        roles = _graphs.roles(spec)
+        self._row_slots = tuple(i for i, r in enumerate(roles) if r in _ROW_ROLES)
+        self._stat_slots = tuple(i for i, r in enumerate(roles) if r in _STAT_ROLES)
+        self._sum_slots = tuple(i for i, r in enumerate(roles) if r in _SUM_ROLES)
+        self._dy_slot = roles.index("dy") if "dy" in roles else None
+        regular = chunks[1:] if overlap else chunks
+        # split sizes cover [0, M): the regular chunks, then the rows only the remainder has
+        self._split = [size for _, size in regular]
+        if overlap:
+            self._split.append(spec.rows - sum(self._split))
+            self._remainder = (chunks[0][0], plans[chunks[0][1]].run)
+        self._runs = [plans[size].run for _, size in regular]
+        # Address path: every chunk plan launches from raw addresses (cudnorm._graphs.RawExecute),
+        # so a chunk is a few integer additions instead of a tensor view per buffer; inside a
+        # training step this halved the host time of a chunked call (H200, probe_session3 rows).
+        if all(getattr(plan, "raw", None) is not None for plan in plans.values()):
+            itemsize = spec.x_dtype.itemsize
+            row_bytes = {"x": spec.x_row_stride * itemsize, "mean": 4, "rstd": 4}
+            self._row_bytes = tuple((slot, row_bytes.get(roles[slot], spec.cols * itemsize)) for slot in self._row_slots)
+            self._launches = [(start, plans[size]) for start, size in regular]
+        else:
+            self._launches = None
 
     def run(self, *buffers: torch.Tensor) -> None:
         """Execute on the current stream; ``buffers`` as for the exact plan of ``spec``:
         ``[M, N]`` x/y/dy/dx, ``[M]`` fp32 mean/rstd, ``[N]`` params/eps, fp32 ``[N]`` dW/dB."""
-        spec = self.spec
-        roles = _graphs.roles(spec)
-        named = dict(zip(roles, buffers))
-        sums = [r for r in _SUM_ROLES if r in named]
-        # one fp32 partial row per chunk and output (16-byte aligned: chunkable() implies cols % 4 == 0)
-        partials = (torch.empty((len(self.chunks), len(sums), spec.cols), dtype=torch.float32,
-                                device=named["x"].device) if sums else None)
-        for index, (start, size) in enumerate(self.chunks):
-            view = {r: named[r][start:start + size] if r in _ROW_ROLES else named[r] for r in roles}
-            for k, r in enumerate(sums):
-                view[r] = partials[index, k]
-            copies = self._remainder(named, view, start, size) if index == 0 and self.overlap else ()
-            self.plans[size].run(*(view[r] for r in roles))
-            for dest, src in copies:
-                dest.copy_(src)
-        for k, r in enumerate(sums):
-            torch.sum(partials[:, k], dim=0, out=named[r])
-        _cache.plans.record_rows_path(chunked=True)
+        if self._launches is not None:
+            self._run_by_address(buffers)
+            return
+        args = list(buffers)
+        pieces = [(slot, buffers[slot].split(self._split)) for slot in self._row_slots]
+        sums = self._sum_slots
+        partial_rows = ()
+        if sums:
+            # one fp32 partial row per chunk and output (16-byte aligned: chunkable() implies cols % 4 == 0)
+            launches = len(self._runs) + (1 if self.overlap else 0)
+            partials = torch.empty((launches, len(sums), self.spec.cols), dtype=torch.float32,
+                                   device=buffers[0].device)
+            partial_rows = partials.view(-1, self.spec.cols).unbind(0)
+        launch = 0
+        if self.overlap:
+            self._run_remainder(buffers, args, partial_rows)
+            launch = 1
+        for index, run in enumerate(self._runs):
+            for slot, piece in pieces:
+                args[slot] = piece[index]
+            for k, slot in enumerate(sums):
+                args[slot] = partial_rows[launch * len(sums) + k]
+            run(*args)
+            launch += 1
+        for k, slot in enumerate(sums):
+            torch.sum(partials[:, k], dim=0, out=buffers[slot])
 
-    def _remainder(self, named: dict, view: dict, start: int, size: int) -> list:
-        """Adjust ``view`` for the overlapping remainder chunk; returns the ``(dest, src)``
-        copies to make after it ran.
+    def _run_remainder(self, buffers, args: list, partial_rows) -> None:
+        """Run the chunk that ends at row M and overlaps the ``overlap`` rows before it.
 
-        Its start row is arbitrary, so its fp32 stats would be misaligned in place: they go
-        through fresh buffers. Backward: ``dy`` of the overlapped rows is zero, so they add
-        nothing to dW/dB.
+        Its start row is arbitrary, so fp32 stats at that offset may break cuDNN's 16-byte
+        alignment: they go through fresh buffers (forward: the rows it alone owns are copied
+        back after). Backward: ``dy`` of the overlapped rows is zero, so they add nothing to
+        dW/dB (their ``dx`` comes out zero and the later chunks rewrite it).
         """
+        start, run = self._remainder
         overlap = self.overlap
-        stats = [r for r in _STAT_ROLES if r in view]
-        if self.spec.phase == "bwd":
-            view["dy"] = F.pad(named["dy"][start + overlap:start + size], (0, 0, overlap, 0))
-            for r in stats:
-                view[r] = view[r].clone()
-            return []
-        copies = []
-        for r in stats:
-            view[r] = torch.empty_like(view[r])
-            copies.append((named[r][start + overlap:start + size], view[r][overlap:]))
-        return copies
+        for slot in self._row_slots:
+            args[slot] = buffers[slot][start:]
+        for k, slot in enumerate(self._sum_slots):
+            args[slot] = partial_rows[k]
+        if self._dy_slot is not None:
+            args[self._dy_slot] = F.pad(buffers[self._dy_slot][start + overlap:], (0, 0, overlap, 0))
+            for slot in self._stat_slots:
+                args[slot] = args[slot].clone()
+            run(*args)
+            return
+        fresh = [(slot, torch.empty_like(args[slot])) for slot in self._stat_slots]
+        for slot, tensor in fresh:
+            args[slot] = tensor
+        run(*args)
+        for slot, tensor in fresh:
+            buffers[slot][start + overlap:].copy_(tensor[overlap:])
+
+    def _run_by_address(self, buffers) -> None:
+        """:meth:`run` on the address path: the same launches, chunks given as offsets."""
+        base = [b.data_ptr() for b in buffers]
+        pointers = list(base)
+        sums = self._sum_slots
+        cols = self.spec.cols
+        keep = []  # temporaries that must outlive the launch calls below
+        if sums:
+            launches = len(self._launches) + (1 if self.overlap else 0)
+            partials = torch.empty((launches, len(sums), cols), dtype=torch.float32, device=buffers[0].device)
+            partial_base = partials.data_ptr()
+        launch = 0
+        if self.overlap:
+            keep = self._remainder_by_address(buffers, pointers, partial_base if sums else 0)
+            launch = 1
+        for start, plan in self._launches:
+            for slot, nbytes in self._row_bytes:
+                pointers[slot] = base[slot] + start * nbytes
+            for k, slot in enumerate(sums):
+                pointers[slot] = partial_base + (launch * len(sums) + k) * cols * 4
+            plan.run_pointers(pointers)
+            launch += 1
+        for k, slot in enumerate(sums):
+            torch.sum(partials[:, k], dim=0, out=buffers[slot])
+        del keep
+
+    def _remainder_by_address(self, buffers, pointers: list, partial_base: int) -> list:
+        """The remainder chunk of :meth:`_run_remainder` on the address path. Its fp32 stats
+        go through temporaries only when their offset breaks 16-byte alignment."""
+        start, _ = self._remainder
+        plan = self.plans[self.chunks[0][1]]
+        overlap = self.overlap
+        for slot, nbytes in self._row_bytes:
+            pointers[slot] = buffers[slot].data_ptr() + start * nbytes
+        cols = self.spec.cols
+        for k, slot in enumerate(self._sum_slots):
+            pointers[slot] = partial_base + k * cols * 4
+        keep = []
+        misaligned = any((buffers[slot].data_ptr() + start * 4) % 16 for slot in self._stat_slots)
+        if self._dy_slot is not None:
+            dy = F.pad(buffers[self._dy_slot][start + overlap:], (0, 0, overlap, 0))
+            pointers[self._dy_slot] = dy.data_ptr()
+            keep.append(dy)
+            if misaligned:
+                for slot in self._stat_slots:
+                    stat = buffers[slot][start:].clone()
+                    pointers[slot] = stat.data_ptr()
+                    keep.append(stat)
+            plan.run_pointers(pointers)
+            return keep
+        size = self.chunks[0][1]
+        stats = torch.empty((len(self._stat_slots), size), dtype=torch.float32, device=buffers[0].device) if (
+            misaligned and self._stat_slots) else None
+        if stats is not None:
+            for k, slot in enumerate(self._stat_slots):
+                pointers[slot] = stats.data_ptr() + k * size * 4
+        plan.run_pointers(pointers)
+        if stats is not None:
+            for k, slot in enumerate(self._stat_slots):
+                buffers[slot][start + overlap:].copy_(stats[k, overlap:])
+        return keep

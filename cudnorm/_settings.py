@@ -10,13 +10,18 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
                              rounded to its dtype for the forward), ``native`` (the forward
                              reads fp32 weights: cuDNN 9.19's slow generic engine)
 ``CUDNORM_CACHE_SIZE``       plans kept in memory (default 512)
-``CUDNORM_EXACT_ROWS``       row counts per norm family that get their own graph (default 1);
-                             later counts run on shared row-chunk graphs (``cudnorm._rows``)
+``CUDNORM_EXACT_ROWS``       row counts per norm family that may get their own graphs
+                             (default 1); other counts run on shared row-chunk graphs
+``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 8;
+                             ``cudnorm._rows``)
 ``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
                              ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``, ``torch``
 ``CUDNORM_ADA_BWD``          AdaLN backward strategy: ``auto`` (default), ``cudnn``,
                              ``per_sample``, ``per_sample_graph``, ``torch``
 ``CUDNORM_ADA_GRAPH_CACHE``  captured AdaLN backward CUDA graphs kept (default 64; 0: no capture)
+``CUDNORM_RAW_EXECUTE``      ``1`` (default): launch plans through the frontend's raw-pointer
+                             execute where the frontend version was verified for it
+                             (``cudnorm._graphs``); ``0``: always the public ``execute``
 ==========================  =================================================================
 """
 
@@ -39,9 +44,11 @@ class Settings:
     fp32_weight_fwd: str  # "round" | "native"
     cache_size: int
     exact_rows: int
+    exact_after: int
     ada_forward: str  # "auto" | an AdaLN forward strategy (cudnorm.ada_layer_norm)
     ada_backward: str  # "auto" | an AdaLN backward strategy
     ada_graph_cache: int
+    raw_execute: bool
 
 
 def _choice(name: str, default: str) -> str:
@@ -69,9 +76,11 @@ def _read() -> Settings:
         fp32_weight_fwd=_choice("CUDNORM_FP32_WEIGHT_FWD", "round"),
         cache_size=size,
         exact_rows=_count("CUDNORM_EXACT_ROWS", "1"),
+        exact_after=max(1, _count("CUDNORM_EXACT_AFTER", "8")),
         ada_forward=_choice("CUDNORM_ADA_FWD", "auto"),
         ada_backward=_choice("CUDNORM_ADA_BWD", "auto"),
         ada_graph_cache=_count("CUDNORM_ADA_GRAPH_CACHE", "64"),
+        raw_execute=os.environ.get("CUDNORM_RAW_EXECUTE", "1").strip().lower() not in ("0", "false", "no", "off"),
     )
 
 

@@ -48,11 +48,12 @@ def cudnorm_env(monkeypatch):
 @pytest.fixture(autouse=True)
 def _exact_graphs(monkeypatch):
     """Numerics tests compare cuDNN's exact-shape graphs with references, so every row count
-    gets its own graph here; tests of the row-chunking policy set CUDNORM_EXACT_ROWS
-    themselves (through ``cudnorm_env``)."""
+    gets its own graph at its first call here; tests of the row-chunking policy set
+    CUDNORM_EXACT_ROWS / CUDNORM_EXACT_AFTER themselves (through ``cudnorm_env``)."""
     from cudnorm import _rows, _settings
 
     monkeypatch.setenv("CUDNORM_EXACT_ROWS", "1000000")
+    monkeypatch.setenv("CUDNORM_EXACT_AFTER", "1")
     _settings.reload()
     _rows.reset()
     yield

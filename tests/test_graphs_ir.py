@@ -82,3 +82,17 @@ def test_spec_json_round_trip_and_slug():
         NormSpec("group_norm", "train", 1, 1, torch.float32, torch.float32, 0).validate()
     with pytest.raises(ValueError, match="inconsistent"):
         NormSpec("layer_norm", "train", 8, 64, torch.float32, torch.float32, 0, x_row_stride=32).validate()
+
+
+def test_raw_execute_only_on_verified_frontends(monkeypatch, cudnorm_env):
+    from cudnorm import _graphs, _runtime
+
+    cudnn = _runtime.cudnn_module()
+    monkeypatch.setattr(cudnn, "__version__", "9.99.0")
+    assert not _graphs.RawExecute.enabled()
+    assert _graphs.RawExecute.for_graph(object(), (1,)) is None
+    monkeypatch.setattr(cudnn, "__version__", "1.32.0")
+    assert _graphs.RawExecute.enabled()
+    assert _graphs.RawExecute.for_graph(object(), (1,)) is None  # private details missing: public path
+    cudnorm_env("CUDNORM_RAW_EXECUTE", "0")
+    assert not _graphs.RawExecute.enabled()

@@ -203,3 +203,44 @@ def test_threads_get_their_own_handles():
         t.join()
     grab("main")
     assert len({id(h) for h in handles.values()}) == 3
+
+
+_OUTPUT_ROLES = {"y", "dx", "dscale", "dbias"}
+
+
+@pytest.mark.parametrize("case", ["ln_train_autotuned", "ln_infer", "ln_bwd", "rms_train", "rms_bwd", "ada_train",
+                                  "ln_train_dynamic", "ln_bwd_deserialized"])
+def test_raw_execute_matches_public_execute(case):
+    """The raw-pointer launcher (RawExecute) writes exactly what the public execute writes."""
+    from cudnorm import _graphs
+    from cudnorm._spec import NormSpec
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    specs = {
+        "ln_train_autotuned": NormSpec("layer_norm", "train", 2048, 1024, bf16, bf16, 0, autotune=True),
+        "ln_infer": NormSpec("layer_norm", "infer", 1000, 768, torch.float16, f32, 0),
+        "ln_bwd": NormSpec("layer_norm", "bwd", 2048, 1024, bf16, f32, 0),
+        "rms_train": NormSpec("rms_norm", "train", 4096, 4096, bf16, bf16, 0),
+        "rms_bwd": NormSpec("rms_norm", "bwd", 4096, 4096, bf16, f32, 0),
+        "ada_train": NormSpec("ada_layer_norm", "train", 4 * 256, 1152, bf16, bf16, 0, batch=4),
+        "ln_train_dynamic": NormSpec("layer_norm", "train", 4096, 2048, bf16, bf16, 0, dynamic=True),
+        "ln_bwd_deserialized": NormSpec("layer_norm", "bwd", 1024, 4096, bf16, f32, 0),
+    }
+    spec = specs[case]
+    plan = _graphs.build_plan(spec)
+    if case.endswith("deserialized"):
+        plan = _graphs.deserialize_plan(spec, _graphs.serialize_plan(plan))
+    assert plan.raw is not None, "frontend 1.32 should take the raw path for every norm graph"
+    buffers = _graphs.dummy_buffers(spec)
+    roles = _graphs.roles(spec)
+    outputs = [i for i, r in enumerate(roles) if r in _OUTPUT_ROLES or (spec.phase == "train" and r in ("mean", "rstd"))]
+    results = []
+    for run in (plan.run, plan.run_public):
+        for i in outputs:
+            buffers[i].fill_(float("nan"))
+        run(*buffers)
+        torch.cuda.synchronize()
+        results.append([buffers[i].clone() for i in outputs])
+    for i, raw, public in zip(outputs, *results):
+        assert not raw.isnan().any(), roles[i]
+        assert torch.equal(raw, public), f"{case}: {roles[i]} differs between raw and public execute"

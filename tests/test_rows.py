@@ -70,6 +70,33 @@ class FakePlan:
             named["dbias"].copy_(dy.sum(0))
 
 
+class FakeAddressPlan(FakePlan):
+    """A :class:`FakePlan` launched by address (the path ``ChunkedPlan`` takes when every
+    chunk plan has a raw launcher): rebuilds CPU tensors at the addresses it is handed, so
+    the offset arithmetic, alignment and temporaries are checked by the same math."""
+
+    raw = True
+
+    def run_pointers(self, pointers):
+        spec = self.spec
+        tensors = []
+        for (role, (shape, dtype)), address in zip(_graphs.buffer_shapes(spec).items(), pointers, strict=True):
+            stride = spec.x_row_stride if role == "x" else None
+            tensors.append(_tensor_at(address, shape, dtype, stride))
+        self.run(*tensors)
+
+
+def _tensor_at(address, shape, dtype, row_stride=None):
+    """A CPU tensor over the memory at ``address`` (``row_stride`` for padded 2-D rows)."""
+    import ctypes
+    import math
+
+    numel = math.prod(shape) if row_stride is None else (shape[0] - 1) * row_stride + shape[1]
+    memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+    flat = torch.frombuffer(memory, dtype=dtype, count=numel)
+    return flat.view(shape) if row_stride is None else flat.as_strided(shape, (row_stride, 1))
+
+
 def _buffers(spec, seed=0):
     """Random inputs and empty outputs for ``spec`` (CPU), in role order."""
     gen = torch.Generator().manual_seed(seed)
@@ -115,17 +142,18 @@ def test_decompose_rejects_rows_below_smallest_chunk():
     assert _rows.decompose(70, (32, 8)) == ([(62, 8), (0, 32), (32, 32)], 2)
 
 
-def _run_chunked(spec, buffers, sizes):
-    chunks, overlap = _rows.decompose(spec.rows, sizes)
-    plans = {size: FakePlan(spec._replace(rows=size)) for _, size in chunks}
+def _run_chunked(spec, buffers, sizes, fake=FakePlan, any_size_overlap=False):
+    chunks, overlap = _rows.decompose(spec.rows, sizes, any_size_overlap=any_size_overlap)
+    plans = {size: fake(spec._replace(rows=size)) for _, size in chunks}
     _rows.ChunkedPlan(spec, chunks, overlap, plans).run(*buffers)
     return chunks, overlap, plans
 
 
+@pytest.mark.parametrize("fake", [FakePlan, FakeAddressPlan], ids=["views", "addresses"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("phase", ["train", "infer", "bwd"])
 @pytest.mark.parametrize("rows", [4, 9, 37, 70, 100])
-def test_chunked_matches_whole_tensor(op, phase, rows):
+def test_chunked_matches_whole_tensor(op, phase, rows, fake):
     sizes = SMALL_CHUNKS[phase]
     spec = _spec(op, phase, rows)
     if rows < min(sizes):
@@ -133,7 +161,7 @@ def test_chunked_matches_whole_tensor(op, phase, rows):
     expected = _buffers(spec)
     FakePlan(spec).run(*expected)
     got = _buffers(spec)
-    _run_chunked(spec, got, sizes)
+    _run_chunked(spec, got, sizes, fake)
     for role, want, have in zip(_graphs.roles(spec), expected, got, strict=True):
         torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6, msg=f"{op} {phase} rows={rows}: {role}")
 
@@ -150,16 +178,19 @@ def test_backward_remainder_sees_zero_dy_on_overlapped_rows(op):
     torch.testing.assert_close(remainder_dy[overlap:], dy[64:], rtol=0, atol=0)
 
 
-def test_bf16_padded_rows_and_misaligned_remainder_stats():
+@pytest.mark.parametrize("fake", [FakePlan, FakeAddressPlan], ids=["views", "addresses"])
+@pytest.mark.parametrize("phase", ["train", "bwd"])
+def test_bf16_padded_rows_and_misaligned_remainder_stats(phase, fake):
     # x rows padded to 24 elements (48 bytes); remainder starts at row 33 (stats offset 132 bytes)
     base = torch.randn(37, 24).to(torch.bfloat16)
-    spec = NormSpec("layer_norm", "train", 37, 16, torch.bfloat16, torch.bfloat16, 0, x_row_stride=24)
+    scale_dtype = torch.float32 if phase == "bwd" else torch.bfloat16
+    spec = NormSpec("layer_norm", phase, 37, 16, torch.bfloat16, scale_dtype, 0, x_row_stride=24)
     expected, got = _buffers(spec), _buffers(spec)
     expected[0] = got[0] = base[:, :16]
     FakePlan(spec).run(*expected)
-    _run_chunked(spec, got, (32, 8, 4))
+    _run_chunked(spec, got, (32, 8, 4) if phase == "train" else (32, 4), fake)
     for role, want, have in zip(_graphs.roles(spec), expected, got, strict=True):
-        torch.testing.assert_close(have, want, rtol=0, atol=0, msg=role)
+        torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6, msg=role)  # dW/dB: fp32 partial sums
 
 
 # -- policy --------------------------------------------------------------------------------
@@ -189,16 +220,41 @@ def test_first_exact_rows_get_exact_graphs_then_chunks(fake_builds, cudnorm_env)
     assert _rows.plan_or_chunks(first).spec == first  # an admitted count stays exact
     chunked = _rows.plan_or_chunks(third)
     assert isinstance(chunked, _rows.ChunkedPlan)
-    assert chunked.chunks == [(66, 4), (0, 32), (32, 32), (64, 4)] and chunked.overlap == 2
-    assert asked[-2:] in ([_rows.chunk_spec(third, 32), _rows.chunk_spec(third, 4)],
-                          [_rows.chunk_spec(third, 4), _rows.chunk_spec(third, 32)])
-    assert all(s.dynamic and s.rows in (4, 32) for s in asked[-2:])
+    # forward: the 6 rows left after 64 fill an 8-row chunk at least half, so one overlapping 8
+    assert chunked.chunks == [(62, 8), (0, 32), (32, 32)] and chunked.overlap == 2
+    assert asked[-2:] in ([_rows.chunk_spec(third, 32), _rows.chunk_spec(third, 8)],
+                          [_rows.chunk_spec(third, 8), _rows.chunk_spec(third, 32)])
+    assert all(s.dynamic and s.rows in (8, 32) for s in asked[-2:])
     # another phase is another family: its first count is exact again, and bwd chunks are static
     bwd = _spec("layer_norm", "bwd", 70)
     assert _rows.plan_or_chunks(bwd).spec == bwd
     _rows.plan_or_chunks(bwd._replace(rows=50))
     _rows.plan_or_chunks(bwd._replace(rows=90))
     assert not asked[-1].dynamic and asked[-1].rows in (8, 32) and asked[-1].phase == "bwd"
+
+
+def test_count_gets_exact_graphs_after_exact_after_calls(fake_builds, cudnorm_env):
+    asked, _ = fake_builds
+    cudnorm_env("CUDNORM_EXACT_ROWS", "1")
+    cudnorm_env("CUDNORM_EXACT_AFTER", "3")
+    spec, other = _spec("layer_norm", "bwd", 70), _spec("layer_norm", "bwd", 50)
+    chunked = _rows.plan_or_chunks(spec)
+    assert isinstance(chunked, _rows.ChunkedPlan) and _rows.plan_or_chunks(spec) is chunked
+    assert _rows.plan_or_chunks(spec).spec == spec and asked[-1] == spec  # third call: promoted
+    _cache.plans.put(spec, FakePlan(spec))  # (the fake get_plan does not cache)
+    assert _rows.plan_or_chunks(spec).spec == spec
+    for _ in range(5):  # the family has its one exact count: another count stays chunked
+        assert isinstance(_rows.plan_or_chunks(other), _rows.ChunkedPlan)
+    assert other not in asked
+
+
+def test_decompose_overlaps_with_any_size_only_when_asked():
+    assert _rows.decompose(70, (32, 8, 4)) == ([(66, 4), (0, 32), (32, 32), (64, 4)], 2)
+    assert _rows.decompose(70, (32, 8, 4), any_size_overlap=True) == ([(62, 8), (0, 32), (32, 32)], 2)
+    # 20 rows left after 32 fill a 32-row chunk more than half: one overlapping 32 instead of 8+8+4
+    assert _rows.decompose(52, (32, 8, 4), any_size_overlap=True) == ([(20, 32), (0, 32)], 12)
+    assert _rows.decompose(48, (32, 8, 4), any_size_overlap=True) == ([(16, 32), (0, 32)], 16)  # exactly half
+    assert _rows.decompose(44, (32, 8, 4), any_size_overlap=True) == ([(36, 8), (0, 32), (32, 8)], 4)
 
 
 def test_zero_exact_rows_chunks_at_once_and_small_rows_fall_back(fake_builds, cudnorm_env):
@@ -293,3 +349,43 @@ def test_gpu_random_row_counts_chunked_within_2x_rule(cudnorm_env, fresh_cache, 
     assert info.chunked_calls > 0 and info.small_rows_fallbacks > 0  # rows=1 and 700 < 1024/4096 chunks
     built_rows = {spec.rows for spec in _cache.plans.specs()}
     assert built_rows <= {size for sizes in _rows.CHUNK_ROWS.values() for size in sizes}
+
+
+def test_chunked_plan_is_memoised_until_settings_change(fake_builds, cudnorm_env):
+    asked, _ = fake_builds
+    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    spec = _spec("layer_norm", "train", 70)
+    first = _rows.plan_or_chunks(spec)
+    count = len(asked)
+    before = cudnorm.cache_info().chunked_calls
+    assert _rows.plan_or_chunks(spec) is first and len(asked) == count  # no policy, no plan lookups
+    assert cudnorm.cache_info().chunked_calls == before + 1
+    cudnorm_env("CUDNORM_EXACT_ROWS", "1")  # new settings: the policy runs again (70 is admitted)
+    assert _rows.plan_or_chunks(spec).spec == spec
+
+
+@pytest.mark.parametrize("fake", [FakePlan, FakeAddressPlan], ids=["views", "addresses"])
+@pytest.mark.parametrize("phase", ["train", "bwd"])
+def test_aligned_remainder_writes_stats_in_place(phase, fake):
+    # 44 rows with chunks (32, 8): remainder chunk starts at row 36, a 16-byte aligned stats offset
+    spec = _spec("layer_norm", phase, 44)
+    expected, got = _buffers(spec), _buffers(spec)
+    FakePlan(spec).run(*expected)
+    chunks, overlap, _ = _run_chunked(spec, got, (32, 8), fake)
+    assert chunks[0] == (36, 8) and overlap == 4
+    for role, want, have in zip(_graphs.roles(spec), expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6, msg=role)
+
+
+@pytest.mark.parametrize("fake", [FakePlan, FakeAddressPlan], ids=["views", "addresses"])
+@pytest.mark.parametrize("phase", ["train", "infer"])
+@pytest.mark.parametrize("rows", [52, 53])
+def test_forward_overlapping_chunk_of_a_larger_size(rows, phase, fake):
+    # 20 or 21 rows left after 32: one overlapping 32-row chunk (stats aligned at 52, not at 53)
+    spec = _spec("rms_norm", phase, rows)
+    expected, got = _buffers(spec), _buffers(spec)
+    FakePlan(spec).run(*expected)
+    chunks, _, _ = _run_chunked(spec, got, (32, 8, 4), fake, any_size_overlap=True)
+    assert chunks == [(rows - 32, 32), (0, 32)]
+    for role, want, have in zip(_graphs.roles(spec), expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=0, msg=role)
