@@ -3,7 +3,8 @@
 For LN/RMS forward (training) and backward at M=32768, N in {1024, 4096, 16384}, bf16 x:
   * GB/s of the public API (cudnorm.layer_norm / rms_norm with fp32 weights, as in the seed
     benchmark; backward through autograd.grad of one call, and per layer of an 8-layer chain)
-  * GB/s of the raw ordered execute of the very plan the API uses (buffers preallocated)
+  * GB/s of the raw ordered execute of the very plan the API uses (buffers preallocated),
+    and of cudnorm's raw-pointer launch of it (``cudnorm._graphs.RawExecute``)
   * the fp32-weight forward through the API (each CUDNORM_FP32_WEIGHT_FWD mode) vs the naive
     graph that reads an fp32 scale ("native")
 Then autotune gain/cost and host microseconds per call at (64, 4096).
@@ -61,7 +62,10 @@ def raw_callable(plan):
     from cudnorm import _runtime
 
     h = _runtime.handle(0)
-    return lambda: plan.graph.execute(buffers, ws, handle=h, tensor_uids=plan.uids)
+    public = lambda: plan.graph.execute(buffers, ws, handle=h, tensor_uids=plan.uids)  # noqa: E731
+    # cudnorm's own launcher (the frontend's C++ graph by pointer array), when the plan has one
+    pointers = (lambda: plan.raw(buffers, ws, h)) if plan.raw is not None else None
+    return public, pointers
 
 
 def api_case(op, n, wdtype):
@@ -105,12 +109,14 @@ def run_api_vs_raw(rows, copy):
                      ("bwd", chain_case(op, n, torch.float32), "bwd", CHAIN, f"{CHAIN}-layer chain, one autograd.grad"))
             for direction, fn, phase, layers, how in cases:
                 api_ms = bench_ms(fn) / layers
-                raw_ms = bench_ms(raw_callable(latest_plan(op, phase)))
+                public, pointers = raw_callable(latest_plan(op, phase))
+                raw_ms = bench_ms(public)
+                ptr_ms = bench_ms(pointers) if pointers is not None else float("nan")
                 nb = nbytes(op, direction, n)
                 rows.append(dict(test="api_vs_raw", op=op, direction=direction, N=n, how=how, api_ms=api_ms,
                                  raw_ms=raw_ms, api_GBps=nb / api_ms * 1e-6, raw_GBps=nb / raw_ms * 1e-6,
-                                 api_over_raw=raw_ms / api_ms, pct_copy=100 * nb / api_ms * 1e-6 / copy,
-                                 plan=latest_plan(op, phase).plan_name))
+                                 api_over_raw=raw_ms / api_ms, rawptr_ms=ptr_ms, api_over_rawptr=ptr_ms / api_ms,
+                                 pct_copy=100 * nb / api_ms * 1e-6 / copy, plan=latest_plan(op, phase).plan_name))
             torch.cuda.empty_cache()
 
 
@@ -142,7 +148,7 @@ def run_autotune(rows):
                         scale_dtype=torch.float32 if phase == "bwd" else torch.bfloat16)
             first = _graphs.build_plan(_graphs.NormSpec(**base))
             tuned = _graphs.build_plan(_graphs.NormSpec(**base, autotune=True))
-            t_first, t_tuned = bench_ms(raw_callable(first)), bench_ms(raw_callable(tuned))
+            t_first, t_tuned = bench_ms(raw_callable(first)[0]), bench_ms(raw_callable(tuned)[0])
             rows.append(dict(test="autotune", op=op, direction=phase, N=n, first_ms=t_first, tuned_ms=t_tuned,
                              speedup=t_first / t_tuned, build_s=first.build_seconds, tune_s=tuned.build_seconds,
                              candidates=tuned.candidates_timed, first_plan=first.plan_name, tuned_plan=tuned.plan_name))
@@ -168,7 +174,10 @@ def run_host_overhead(rows):
         }
         cases["cudnorm.layer_norm bf16 w"]()
         plan = [_cache.plans.lookup(s) for s in _cache.plans.specs() if s.rows == 64 and s.op == "layer_norm"][0]
-        cases["raw ordered execute (same plan)"] = raw_callable(plan)
+        public, pointers = raw_callable(plan)
+        cases["raw ordered execute (same plan)"] = public
+        if pointers is not None:
+            cases["cudnorm raw-pointer launch (same plan)"] = pointers
         try:
             from cudnn.ops.norm import layer_norm as upstream
 

@@ -6,9 +6,10 @@ fresh interpreter with the on-disk plan store off, so its builds are its own:
 
 * ``exact``: every row count gets its own graphs at its first call (``CUDNORM_EXACT_ROWS`` =
   counts + 1, ``CUDNORM_EXACT_AFTER`` = 1);
-* ``chunked``: the library default (``cudnorm._rows``: shared chunk graphs; a count gets exact
-  graphs only after 8 calls, which no count reaches here); ``--fwd-chunks``/``--bwd-chunks``
-  try other chunk sizes.
+* ``chunked``: the library default (``cudnorm._rows``: the first row count gets exact graphs,
+  later ones shared chunk graphs);
+* ``chunks``: chunk graphs only (``CUDNORM_EXACT_ROWS=0``, the setting for variable-length
+  runs); ``--fwd-chunks``/``--bwd-chunks`` try other chunk sizes in both chunk modes.
 
 Pass 1 builds (reported: builds, build seconds). Then ``--passes`` timed passes over the
 same counts (CUDA events per step and per pass); the table gives the median pass total and
@@ -97,9 +98,11 @@ def run_mode(args, op: str, mode: str) -> dict:
     env = {**os.environ, "CUDNORM_PLAN_STORE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if mode == "exact":
         env.update(CUDNORM_EXACT_ROWS=str(args.counts + 1), CUDNORM_EXACT_AFTER="1")
+    elif mode == "chunks":
+        env["CUDNORM_EXACT_ROWS"] = "0"
     cmd = [sys.executable, __file__, "--worker", "--op", op, "--counts", str(args.counts), "--seed", str(args.seed),
            "--passes", str(args.passes)]
-    if mode == "chunked":
+    if mode in ("chunked", "chunks"):
         cmd += ["--fwd-chunks", args.fwd_chunks or "", "--bwd-chunks", args.bwd_chunks or ""]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -118,7 +121,7 @@ def main() -> None:
     parser.add_argument("--ops", default="layer_norm", help="comma-separated: layer_norm,rms_norm")
     # chunked first: it is cheap and answers the build-time budget even if the exact-shape
     # baseline (~200 builds) does not finish inside a device time limit
-    parser.add_argument("--modes", default="chunked,exact")
+    parser.add_argument("--modes", default="chunks,chunked,exact")
     parser.add_argument("--counts", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--passes", type=int, default=3)

@@ -93,6 +93,12 @@ def _build(spec: NormSpec):
     return plan
 
 
+def stored(spec: NormSpec) -> bool:
+    """Whether the on-disk plan store holds a plan for ``spec`` (loading it is cheap)."""
+    store = _plan_store
+    return store is not None and store.has(spec)
+
+
 _recorders: list[dict] = []  # open cudnorm.record_specs() blocks, each collecting specs in a dict
 
 

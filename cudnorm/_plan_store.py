@@ -150,6 +150,15 @@ class PlanStore:
             self._warned.add(key)
             warnings.warn(f"cudnorm plan store: {message}", RuntimeWarning, stacklevel=3)
 
+    def has(self, spec: NormSpec) -> bool:
+        """Whether an entry for ``spec`` exists on this device's fingerprint (not validated:
+        :meth:`load` still checks it). One hash and one ``stat``; never raises."""
+        located = self._locate(spec) if self.enabled else None
+        try:
+            return located is not None and located[0].is_file()
+        except OSError:
+            return False
+
     # -- the dispatch hooks -----------------------------------------------------------------
     def load(self, spec: NormSpec):
         """The stored :class:`~cudnorm._graphs.Plan` of ``spec``, or ``None`` (then build)."""

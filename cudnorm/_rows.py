@@ -6,9 +6,11 @@ cuDNN >= 9.21. A run over many distinct ``M`` would spend its time building. So,
 *family* (a spec without its row count):
 
 * a row count gets exact graphs once it has been asked for ``CUDNORM_EXACT_AFTER`` times
-  (default 8), for at most ``CUDNORM_EXACT_ROWS`` counts per family (default 1): fixed-shape
-  training reaches its exact-shape speed after a few steps, while a run over many counts
-  that seldom repeat builds no exact graph it would use a handful of times;
+  (default 1: at once), for at most ``CUDNORM_EXACT_ROWS`` counts per family (default 1), so
+  fixed-shape training and serving run exact-shape graphs from the first call. A run over
+  many counts can set ``CUDNORM_EXACT_ROWS=0`` (chunk graphs only: fewest builds) or a larger
+  ``CUDNORM_EXACT_AFTER`` (only counts that recur get exact graphs). A count whose exact
+  plan is in the on-disk plan store uses it at once (loading is cheap);
 * the other calls are cut into chunks of a few fixed sizes (:data:`CHUNK_ROWS`), each
   chunk one launch of a cached chunk graph on offsets into the row dimension. Rows are
   independent, so the output is the same function; the backward's dW/dB are summed in
@@ -19,8 +21,8 @@ cuDNN >= 9.21. A run over many distinct ``M`` would spend its time building. So,
   whose overlapped rows are zero, so they add nothing to dW/dB (and get ``dx = 0`` until
   rewritten). In the forward, where overlapped rows cost only recomputation, it is the
   first size whose chunk is at least half filled (:func:`decompose`), which saves launches;
-* a row count below the smallest chunk runs PyTorch's kernels (the call is tiny) until it
-  is promoted to exact graphs.
+* a row count below the smallest chunk runs PyTorch's kernels (the call is tiny) unless it
+  gets exact graphs.
 
 Forward chunk graphs are dynamic-shape graphs sharing a kernel cache, which makes a further
 forward build 0.02-0.06 s instead of ~0.25 s; it does not help backward builds (measured in
@@ -107,10 +109,12 @@ def _resolve(spec: NormSpec):
         entry = _memo.get(spec) if _memo_settings is current else None
         seen = 1 if entry is None else entry[1]
         admitted = spec.rows in exact or (len(exact) < current.exact_rows and seen >= current.exact_after)
-        if admitted:
+    # a plan the on-disk store holds (warmed up, or built by an earlier run) loads in tens of
+    # milliseconds instead of a build: use it at once, whatever the policy says
+    if admitted or _dispatch.stored(spec):
+        with _lock:
             exact.add(spec.rows)
             _memo.pop(spec, None)
-    if admitted:
         return _dispatch.get_plan(spec)
     if entry is not None:  # asked for often enough, but the family has its exact counts
         _cache.plans.record_rows_path(chunked=entry[0] is not None)

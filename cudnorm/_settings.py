@@ -12,7 +12,7 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
 ``CUDNORM_CACHE_SIZE``       plans kept in memory (default 512)
 ``CUDNORM_EXACT_ROWS``       row counts per norm family that may get their own graphs
                              (default 1); other counts run on shared row-chunk graphs
-``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 8;
+``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 1;
                              ``cudnorm._rows``)
 ``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
                              ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``, ``torch``
@@ -76,7 +76,7 @@ def _read() -> Settings:
         fp32_weight_fwd=_choice("CUDNORM_FP32_WEIGHT_FWD", "round"),
         cache_size=size,
         exact_rows=_count("CUDNORM_EXACT_ROWS", "1"),
-        exact_after=max(1, _count("CUDNORM_EXACT_AFTER", "8")),
+        exact_after=max(1, _count("CUDNORM_EXACT_AFTER", "1")),
         ada_forward=_choice("CUDNORM_ADA_FWD", "auto"),
         ada_backward=_choice("CUDNORM_ADA_BWD", "auto"),
         ada_graph_cache=_count("CUDNORM_ADA_GRAPH_CACHE", "64"),

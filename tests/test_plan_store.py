@@ -97,6 +97,17 @@ def test_round_trip_keeps_plan_name_and_timings(store):
     assert path.parent.parent == store.root and path.parent.name.startswith("Fake_GPU_80GB-")
 
 
+def test_has_answers_without_loading(store, installed_store):
+    spec = spec_()
+    assert not store.has(spec) and not _dispatch.stored(spec)
+    store.save(plan_(spec))
+    assert store.has(spec) and not store.has(spec_(rows=65))
+    _dispatch.set_plan_store(store)
+    assert _dispatch.stored(spec)
+    store.enabled = False
+    assert not store.has(spec)
+
+
 def test_entries_of_another_fingerprint_live_elsewhere(tmp_path, fakes):
     ours = PlanStore(tmp_path, 1 << 30, fingerprint=fake_fingerprint)
     theirs = PlanStore(tmp_path, 1 << 30, fingerprint=lambda i: {**FAKE_FP, "cudnn_backend": 92100})

@@ -389,3 +389,12 @@ def test_forward_overlapping_chunk_of_a_larger_size(rows, phase, fake):
     assert chunks == [(rows - 32, 32), (0, 32)]
     for role, want, have in zip(_graphs.roles(spec), expected, got, strict=True):
         torch.testing.assert_close(have, want, rtol=0, atol=0, msg=role)
+
+
+def test_count_in_the_plan_store_gets_its_exact_plan_at_once(fake_builds, cudnorm_env, monkeypatch):
+    asked, _ = fake_builds
+    cudnorm_env("CUDNORM_EXACT_ROWS", "0")  # the policy alone would chunk every count
+    stored = _spec("layer_norm", "bwd", 70)
+    monkeypatch.setattr(_dispatch, "stored", lambda spec: spec == stored)
+    assert _rows.plan_or_chunks(stored).spec == stored and asked[-1] == stored
+    assert isinstance(_rows.plan_or_chunks(stored._replace(rows=50)), _rows.ChunkedPlan)
