@@ -82,7 +82,7 @@ def probe_rows() -> None:
     wrap(_graphs.Plan, "run", lambda a: f"Plan.run {a[0].spec.phase} dyn={a[0].spec.dynamic} rows={a[0].spec.rows}")
     wrap(_rows.ChunkedPlan, "run", lambda a: f"ChunkedPlan.run {a[0].spec.phase}")
     wrap(_rows, "plan_or_chunks", lambda a: "plan_or_chunks")
-    _rows._chunked.clear()  # chunked plans hold bound runs: remake them with the wrapped Plan.run
+    _rows._memo.clear()  # chunked plans hold bound runs: remake them with the wrapped Plan.run
     for rows in counts:
         x = x_all[:rows].detach().requires_grad_()
         cudnorm.layer_norm(x, (N,), w, b).backward(dy_all[:rows])

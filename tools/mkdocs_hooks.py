@@ -19,7 +19,7 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NOTEBOOKS = ROOT / "notebooks"
-RESULT_SUFFIXES = {".csv", ".png", ".svg", ".json"}
+RESULT_SUFFIXES = {".csv", ".png", ".svg", ".json", ".txt"}
 MARKER = "<!-- benchmark-results -->"
 SECTION_ORDER = {".png": 0, ".svg": 0, ".md": 1}
 
