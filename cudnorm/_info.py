@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from . import _cache, _rows, _runtime
+from . import _cache, _graphs, _rows, _runtime
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -45,7 +45,8 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
 
 
 def info() -> dict:
-    """Versions, device, cuDNN availability and the serving path of every op."""
+    """Versions, device, cuDNN availability, how plans are launched and the serving path of
+    every op."""
     status = _runtime.cudnn_status()
     from . import __version__  # noqa: PLC0415 - avoid a cycle at import time
 
@@ -62,6 +63,7 @@ def info() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else None,
     }
+    out["plan_launch"] = _graphs.RawExecute.mode() if status.available else "none (cuDNN not available)"
     out["paths"] = {op: serving_path(op) for op in OPS}
     return out
 

@@ -90,9 +90,12 @@ def test_raw_execute_only_on_verified_frontends(monkeypatch, cudnorm_env):
     cudnn = _runtime.cudnn_module()
     monkeypatch.setattr(cudnn, "__version__", "9.99.0")
     assert not _graphs.RawExecute.enabled()
+    assert _graphs.RawExecute.mode() == "public execute (raw-pointer launch not verified on frontend 9.99.0)"
     assert _graphs.RawExecute.for_graph(object(), (1,)) is None
     monkeypatch.setattr(cudnn, "__version__", "1.32.0")
     assert _graphs.RawExecute.enabled()
     assert _graphs.RawExecute.for_graph(object(), (1,)) is None  # private details missing: public path
+    assert _graphs.RawExecute.mode() == "raw-pointer launch"
     cudnorm_env("CUDNORM_RAW_EXECUTE", "0")
     assert not _graphs.RawExecute.enabled()
+    assert _graphs.RawExecute.mode() == "public execute (CUDNORM_RAW_EXECUTE=0)"

@@ -164,6 +164,8 @@ def test_serving_path_and_info_on_cpu():
     info = cudnorm.info()
     assert info["cudnorm"] == cudnorm.__version__
     assert set(info["paths"]) >= {"layer_norm", "rms_norm"}
+    if not torch.cuda.is_available():
+        assert info["plan_launch"] == "none (cuDNN not available)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
