@@ -80,6 +80,37 @@ for png in committed:
     display(Markdown(f"### {png.parent.name}"))
     display(Image(filename=str(png)))
 
+# %% [markdown]
+# ## Variable row counts: build time against steady state
+#
+# `benchmarks/variable_rows.py` runs one LayerNorm training step (N = 4096) for each of 100
+# random row counts: with an exact graph per count (`exact`), with the defaults (the first
+# count exact, later ones on shared chunk graphs: `chunked`) and with chunk graphs only
+# (`CUDNORM_EXACT_ROWS=0`: `chunks`). Chunking builds 5-7 graphs instead of 200; the price
+# is a slower steady state, because each chunk is one more launch and these calls are
+# host-bound (see the docs, Concepts, "Variable row counts").
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+for path in sorted(results.glob("*/variable_rows.csv")):
+    with open(path) as f:
+        modes = list(csv.DictReader(f))
+    names = [m["mode"] for m in modes]
+    fig, (build, steady) = plt.subplots(1, 2, figsize=(9, 3.2))
+    bars = build.bar(names, [float(m["build_s"]) for m in modes], color="tab:blue")
+    build.bar_label(bars, labels=[f"{m['builds']} graphs" for m in modes])
+    build.set_yscale("log")
+    build.set_ylim(0.3, 4 * max(float(m["build_s"]) for m in modes))
+    build.set_ylabel("seconds building (log)")
+    bars = steady.bar(names, [float(m["steady_ms"]) for m in modes], color="tab:orange")
+    steady.bar_label(bars, fmt="%.0f ms")
+    steady.set_ylim(0, 1.2 * max(float(m["steady_ms"]) for m in modes))
+    steady.set_ylabel("ms per pass over the 100 steps")
+    fig.suptitle(f"{path.parent.name}: 100 row counts in [1, 65536], LayerNorm training step, N = 4096")
+    fig.tight_layout()
+    plt.show()
+
 # %%
 import shutil  # noqa: E402
 
