@@ -191,25 +191,28 @@ class RawExecute:
 
     MODE = "raw-pointer launch"
 
+    @staticmethod
+    def enabled() -> bool:
+        from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
+
+        version = str(getattr(_runtime.cudnn_module(), "__version__", ""))
+        return _settings.current.raw_execute and version.startswith(RAW_EXECUTE_FRONTENDS)
+
     @classmethod
     def mode(cls) -> str:
         """How plans are launched here: :attr:`MODE`, or why the public ``execute`` is used
-        (``cudnorm info`` shows it)."""
-        from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
+        (``cudnorm info`` shows it). A report only: launches ask :meth:`enabled`."""
+        from . import _settings  # noqa: PLC0415
 
         frontend = _runtime.cudnn_module()
         if frontend is None:
             return "none (no cuDNN frontend)"
+        if cls.enabled():
+            return cls.MODE
         if not _settings.current.raw_execute:
             return "public execute (CUDNORM_RAW_EXECUTE=0)"
-        version = str(getattr(frontend, "__version__", ""))
-        if not version.startswith(RAW_EXECUTE_FRONTENDS):
-            return f"public execute (raw-pointer launch not verified on frontend {version or 'unknown'})"
-        return cls.MODE
-
-    @classmethod
-    def enabled(cls) -> bool:
-        return cls.mode() == cls.MODE
+        version = str(getattr(frontend, "__version__", "")) or "unknown"
+        return f"public execute (raw-pointer launch not verified on frontend {version})"
 
     @classmethod
     def for_graph(cls, g, uids: tuple[int, ...]) -> "RawExecute | None":

@@ -1,10 +1,9 @@
 """The on-disk plan store with real cuDNN plans: a plan built in one process is loaded by a
-fresh process (no build) and gives bit-identical results.
+fresh process, gives bit-identical results, and its first call takes <= 50 ms.
 
-Each run is a new interpreter with its own ``CUDNORM_PLAN_STORE_DIR``. The warm process's
-first-call times are printed (run pytest with ``-s`` to see them), not asserted: speed is
-judged by ``benchmarks/plan_store_startup.py``. They exclude what a process pays once
-whatever it runs (CUDA context, cuDNN handle, torch's first explicit-gradient backward).
+Each run is a new interpreter with its own ``CUDNORM_PLAN_STORE_DIR``. The first-call time
+excludes what a process pays once whatever it runs (CUDA context, cuDNN handle, torch's
+first explicit-gradient backward): it is the cost of reaching one graph.
 """
 
 import json
@@ -19,6 +18,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parents[1]
+FIRST_CALL_LIMIT_S = 0.050
 
 CHILD = r"""
 import json, sys, time
@@ -102,7 +102,8 @@ def test_plan_built_in_one_process_loads_in_another(tmp_path, autotune):
         assert any(v["candidates"] > 1 for v in warm["plans"].values())
     for name, tensor in cold["tensors"].items():
         assert torch.equal(tensor, warm["tensors"][name]), name
-    print("first calls with a warm store (ms):", {k: round(v * 1e3, 1) for k, v in warm["first_call_s"].items()})
+    slow = {k: round(v * 1e3, 1) for k, v in warm["first_call_s"].items() if v > FIRST_CALL_LIMIT_S}
+    assert not slow, f"first calls over {FIRST_CALL_LIMIT_S * 1e3:.0f} ms with a warm store: {slow}"
 
 
 def test_corrupt_entry_is_rebuilt_with_a_warning(tmp_path):
