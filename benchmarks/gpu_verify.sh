@@ -2,7 +2,7 @@
 # GPU verification in stages, each with its own time limit, logs written as it goes (so a stage
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
-# Stages: tests-core tests-ada tests-store tests-rows notebooks api bench-ln bench-rms ada rows
+# Stages: tests-core tests-ada tests-store tests-rows notebooks host api bench-ln bench-rms ada rows
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -20,6 +20,7 @@ for stage in "$@"; do
     tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;
     tests-rows)  pytest_gpu tests-rows 120 tests/test_rows.py ;;
     notebooks)   timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
+    host)        timeout 150 python3 benchmarks/host_profile.py --out "$out" 2>&1 | tee "$out/host.log" | grep -E " us$|device" ;;
     api)         timeout 120 python3 benchmarks/api_vs_raw.py --out "$out" --parts api,host 2>&1 | tee "$out/api.log" | grep -E "test=|device" ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;

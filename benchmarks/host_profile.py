@@ -62,7 +62,31 @@ def forward_layers(dtype) -> dict:
         }
         if dtype is x.dtype:  # torch's CUDA LayerNorm refuses mixed bf16 input / fp32 weight
             layers["torch F.layer_norm"] = lambda: F.layer_norm(x, (N,), w, b)
-        return {name: wall_us_per_call(fn, CALLS, warmup=50) for name, fn in layers.items()}
+        times = {name: wall_us_per_call(fn, CALLS, warmup=50) for name, fn in layers.items()}
+    # the training forward: grad enabled, parameters requiring grad (autograd node, saved stats)
+    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    times["cudnorm.layer_norm, grad enabled"] = wall_us_per_call(lambda: cudnorm.layer_norm(xg, (N,), wg, bg), CALLS,
+                                                                 warmup=50)
+    times["cudnorm.rms_norm, grad enabled"] = wall_us_per_call(lambda: cudnorm.rms_norm(xg, (N,), wg), CALLS, warmup=50)
+    return times
+
+
+CHAIN = 8
+
+
+def chain_backward_us(op: str, rows: int, cols: int, dtype) -> float:
+    """Wall time per layer of one ``autograd.grad`` through ``CHAIN`` norms (autograd's fixed
+    per-call cost shared by the layers, as inside a model)."""
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True) for _ in range(CHAIN)]
+    bs = [torch.randn_like(w, requires_grad=True) for w in ws]
+    y = x
+    for w, b in zip(ws, bs):
+        y = cudnorm.layer_norm(y, (cols,), w, b) if op == "layer_norm" else cudnorm.rms_norm(y, (cols,), w)
+    params = [x, *ws, *(bs if op == "layer_norm" else ())]
+    dy = torch.randn_like(y)
+    calls = CALLS // 8 if rows <= 4096 else 100
+    return wall_us_per_call(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), calls, warmup=10) / CHAIN
 
 
 def backward_layers(rows: int, cols: int, dtype) -> dict:
@@ -84,7 +108,10 @@ def backward_layers(rows: int, cols: int, dtype) -> dict:
         "autograd.grad cudnorm": lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
         "autograd.grad torch": lambda: torch.autograd.grad(yt, (x, w, b), dy, retain_graph=True),
     }
-    return {name: wall_us_per_call(fn, CALLS if rows <= 4096 else 300, warmup=30) for name, fn in layers.items()}
+    times = {name: wall_us_per_call(fn, CALLS if rows <= 4096 else 300, warmup=30) for name, fn in layers.items()}
+    for op in ("layer_norm", "rms_norm"):
+        times[f"{op}: per layer of an {CHAIN}-layer autograd.grad"] = chain_backward_us(op, rows, cols, dtype)
+    return times
 
 
 def profile(fn, calls=CALLS, top=18) -> str:

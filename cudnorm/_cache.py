@@ -59,6 +59,11 @@ class PlanCache:
                 self._info.hits += 1
             return value
 
+    def count_hit(self) -> None:
+        """Count a hit served without :meth:`lookup` (a call signature memo held the plan)."""
+        with self._lock:
+            self._info.hits += 1
+
     def get_or_build(self, spec: NormSpec, build):
         """The value for ``spec``; on a miss ``build(spec)`` makes it (once per spec)."""
         value = self.lookup(spec)

@@ -127,36 +127,44 @@ def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
     Scale and bias share one dtype (``x.dtype``, or fp32 in ``native`` mode when a
     parameter is fp32). Absent weight/bias become cached ones/zeros so one graph
     formulation serves every affine variant (the extra ``N``-element read is negligible).
+    Parameters of another dtype are rounded into this thread's per-stream rounding rows
+    (:func:`cudnorm._runtime.rounding_rows`) by one kernel; ``x`` may also be a meta tensor
+    (``cudnorm.warmup`` asks for the dtype only), then fresh buffers are made.
     """
     dtype = x.dtype
     if dtype is not _F32 and _settings.current.fp32_weight_fwd == "native" and (
             (weight is not None and weight.dtype is _F32) or (bias is not None and bias.dtype is _F32)):
         dtype = _F32
     n = x.shape[-1]
-    if has_bias and weight is not None and bias is not None and weight.dtype is bias.dtype is not dtype:
-        return (*_rounded_pair(weight, bias, dtype), dtype)
-    scale = constant(1.0, n, dtype, x.device) if weight is None else weight if weight.dtype is dtype else weight.to(dtype)
-    shift = None
-    if has_bias:
-        shift = constant(0.0, n, dtype, x.device) if bias is None else bias if bias.dtype is dtype else bias.to(dtype)
+    round_weight = weight is not None and weight.dtype is not dtype
+    round_bias = has_bias and bias is not None and bias.dtype is not dtype
+    if round_weight or round_bias:
+        scale, shift = _rounded(x, n, dtype, weight if round_weight else None, bias if round_bias else None)
+    else:
+        scale, shift = weight, bias
+    if scale is None:
+        scale = constant(1.0, n, dtype, x.device)
+    if has_bias and shift is None:
+        shift = constant(0.0, n, dtype, x.device)
     return scale, shift, dtype
 
 
-def _rounded_pair(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` and ``bias`` (``[N]``, same dtype) converted to ``dtype`` by one
-    multi-tensor kernel instead of two casts: one launch less on the GPU and ~7 us less
-    host time per LayerNorm forward (H200, ``benchmarks/probe_session3.py cast2``). Both
-    rows start on a 16-byte boundary, as cuDNN requires."""
-    n = weight.shape[0]
-    per_16_bytes = _ITEMS_PER_16B[dtype]
-    stride = -(-n // per_16_bytes) * per_16_bytes
-    pair = torch.empty((2, stride), dtype=dtype, device=weight.device)
-    scale, shift = pair[0, :n], pair[1, :n]
-    torch._foreach_copy_([scale, shift], [weight, bias])
-    return scale, shift
+def _rounded(x: torch.Tensor, n: int, dtype: torch.dtype, weight, bias):
+    """``(weight, bias)`` converted to ``dtype`` (``None`` stays ``None``), both in one
+    multi-tensor kernel when both are given. On CUDA they land in the stream's rounding rows,
+    16-byte aligned as cuDNN requires."""
+    if x.is_cuda:
+        scale_row, shift_row = _runtime.rounding_rows(x.get_device(), n, dtype)
+    else:
+        scale_row, shift_row = torch.empty((2, n), dtype=dtype, device=x.device).unbind(0)
+    if weight is not None and bias is not None:
+        torch._foreach_copy_([scale_row, shift_row], [weight, bias])
+        return scale_row, shift_row
+    if weight is not None:
+        return scale_row.copy_(weight), None
+    return None, shift_row.copy_(bias)
 
 
-_ITEMS_PER_16B = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
 _constants: dict = {}
 
 
@@ -176,8 +184,10 @@ def cudnn_rows(x: torch.Tensor) -> torch.Tensor:
     and base pointer. Copies only when ``x`` is not already so (run inside the ops, on
     real tensors: the pointer is not known while tracing)."""
     row_bytes = x.stride(0) * x.element_size()
-    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or row_bytes % 16 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or row_bytes % 16:
         x = x.contiguous()
+    if x.data_ptr() % 16:  # e.g. a view starting mid-row: contiguous() would return it as is
+        x = x.clone(memory_format=torch.contiguous_format)
     return x
 
 

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from . import _cache, _graphs, _rows, _runtime
+from . import _cache, _call_plans, _graphs, _rows, _runtime
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -25,6 +25,7 @@ def clear_cache() -> None:
     _cache.plans.clear()
     _runtime.release_workspaces()
     _rows.reset()
+    _call_plans.forget()
     importlib.import_module("cudnorm.ada_layer_norm").clear_captured_graphs()  # its CUDA graphs hold plans
 
 

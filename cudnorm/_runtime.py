@@ -113,7 +113,8 @@ def torch_to_cudnn_dtype(dtype: torch.dtype):
 
 
 class _Handles(threading.local):
-    """Per-thread ``{device_index: [handle, stream the handle is bound to, {stream: workspace}]}``."""
+    """Per-thread ``{device_index: [handle, stream the handle is bound to, {stream: workspace},
+    {(stream, n, dtype): rounding rows}]}``."""
 
     def __init__(self) -> None:
         self.by_device: dict[int, list] = {}
@@ -138,7 +139,7 @@ def _bound_entry(device_index: int) -> list:
     entry = _handles.by_device.get(device_index)
     if entry is None:
         with torch.cuda.device(device_index):
-            entry = [cudnn_module().create_handle(), None, {}]
+            entry = [cudnn_module().create_handle(), None, {}, {}]
         _handles.by_device[device_index] = entry
     if entry[1] != stream:
         cudnn_module().set_stream(handle=entry[0], stream=stream)
@@ -179,10 +180,39 @@ def handle_and_workspace(device_index: int, nbytes: int):
     return entry[0], ws
 
 
+def rounding_rows(device_index: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[n]`` CUDA vectors of ``dtype`` (each 16-byte aligned) that a forward rounds its
+    fp32 weight and bias into just before its launch, kept per (thread, device, stream).
+
+    Allocating and slicing a fresh pair per call cost more host time than the graph launch
+    (host_profile.py, fp32 weights). Reuse is safe for the reason the workspace's is: the
+    copy into the rows and the launch reading them are ordered on this one stream, after
+    every earlier launch that read them, and each thread has its own rows, so two threads
+    sharing a stream cannot interleave their copies. While the stream is being captured
+    into a CUDA graph the rows come fresh from the graph's pool (see
+    :func:`handle_and_workspace`).
+    """
+    entry = _bound_entry(device_index)
+    key = (entry[1], n, dtype)
+    capturing = _capturing()
+    rows = None if capturing else entry[3].get(key)
+    if rows is None:
+        per_16_bytes = 16 // dtype.itemsize
+        stride = -(-n // per_16_bytes) * per_16_bytes
+        pair = torch.empty((2, stride), dtype=dtype, device=torch.device("cuda", device_index))
+        rows = (pair[0, :n], pair[1, :n])
+        if not capturing:
+            if len(entry[3]) >= _MAX_STREAMS_WITH_WORKSPACE:
+                entry[3].clear()
+            entry[3][key] = rows
+    return rows
+
+
 def release_workspaces() -> None:
-    """Drop this thread's cached workspaces (``cudnorm.clear_cache()`` calls it)."""
+    """Drop this thread's cached workspaces and rounding rows (``cudnorm.clear_cache()``)."""
     for entry in _handles.by_device.values():
         entry[2].clear()
+        entry[3].clear()
 
 
 def device_fingerprint(device_index: int) -> dict:

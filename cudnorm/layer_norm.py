@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch, _rows
+from . import _call_plans, _checks, _dispatch
 from ._graphs import host_scalar
 
 _OP = "layer_norm"
@@ -43,20 +43,17 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 def _cudnn_forward(x, weight, bias, eps, training):
     """``(y, mean, rstd)`` from the cuDNN graph (stats ``None`` when not training), or
     ``None`` when cuDNN declines. The hot path of every call: keep it lean."""
-    x = _dispatch.cudnn_rows(x)
-    m, n = x.shape
-    device = x.device
     scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=True)
-    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, device.index)
-    plan = _rows.plan_or_chunks(spec)
+    x, spec, plan = _call_plans.rows_spec_plan(_OP, "train" if training else "infer", x, scale_dtype)
     if plan is None:
         return None
-    y = torch.empty((m, n), dtype=x.dtype, device=device)
+    y = torch.empty_like(x)  # x's rows are cuDNN-ready: y comes out packed [M, N]
     if not training:
         plan.run(x, scale, shift, host_scalar(eps, spec), y)
         return y, None, None
-    mean = torch.empty(m, dtype=torch.float32, device=device)
-    rstd = torch.empty(m, dtype=torch.float32, device=device)
+    m = x.shape[0]
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     plan.run(x, scale, shift, host_scalar(eps, spec), y, mean, rstd)
     return y, mean, rstd
 
@@ -88,12 +85,10 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     """
     m, n = x.shape
     if _dispatch.route(x) is None:
-        x = _dispatch.cudnn_rows(x)
-        spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
-        plan = _rows.plan_or_chunks(spec)
+        x, spec, plan = _call_plans.rows_spec_plan(_OP, "bwd", x, torch.float32)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
-            dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            dx = torch.empty_like(x)
             dw = torch.empty(n, dtype=torch.float32, device=x.device)
             db = torch.empty(n, dtype=torch.float32, device=x.device)
             plan.run(x, scale, dy.contiguous(), mean, rstd, dx, dw, db)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch, _rows
+from . import _call_plans, _checks, _dispatch
 from ._graphs import host_scalar
 
 _OP = "rms_norm"
@@ -38,19 +38,15 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 def _cudnn_forward(x, weight, eps, training):
     """``(y, rstd)`` from the cuDNN graph (``rstd`` ``None`` when not training), or ``None``
     when cuDNN declines. The hot path of every call: keep it lean."""
-    x = _dispatch.cudnn_rows(x)
-    m, n = x.shape
-    device = x.device
     scale, _, scale_dtype = _dispatch.forward_params(x, weight, None, has_bias=False)
-    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x, scale_dtype, device.index)
-    plan = _rows.plan_or_chunks(spec)
+    x, spec, plan = _call_plans.rows_spec_plan(_OP, "train" if training else "infer", x, scale_dtype)
     if plan is None:
         return None
-    y = torch.empty((m, n), dtype=x.dtype, device=device)
+    y = torch.empty_like(x)  # x's rows are cuDNN-ready: y comes out packed [M, N]
     if not training:
         plan.run(x, scale, host_scalar(eps, spec), y)
         return y, None
-    rstd = torch.empty(m, dtype=torch.float32, device=device)
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     plan.run(x, scale, host_scalar(eps, spec), y, rstd)
     return y, rstd
 
@@ -77,12 +73,10 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32)``."""
     m, n = x.shape
     if _dispatch.route(x) is None:
-        x = _dispatch.cudnn_rows(x)
-        spec = _dispatch.spec_for(_OP, "bwd", x, torch.float32, x.device.index)
-        plan = _rows.plan_or_chunks(spec)
+        x, spec, plan = _call_plans.rows_spec_plan(_OP, "bwd", x, torch.float32)
         if plan is not None:
             scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
-            dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            dx = torch.empty_like(x)
             dw = torch.empty(n, dtype=torch.float32, device=x.device)
             plan.run(x, scale, dy.contiguous(), rstd, dx, dw)
             return dx, dw

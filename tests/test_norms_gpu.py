@@ -205,6 +205,47 @@ def test_threads_get_their_own_handles():
     assert len({id(h) for h in handles.values()}) == 3
 
 
+def test_rounding_rows_are_reused_safely_across_calls_streams_and_threads():
+    """fp32 weights are rounded into per-(thread, stream) rows that every forward rewrites:
+    many calls with different weights queued back to back, on two streams and from two
+    threads, must each see their own weights (compared with the bf16-weight call)."""
+    import threading
+
+    n = 4096
+    x = torch.randn(256, n, device="cuda", dtype=torch.bfloat16)
+    weights = [(1 + 0.1 * torch.randn(n, device="cuda"), 0.1 * torch.randn(n, device="cuda")) for _ in range(6)]
+    expected = [cudnorm.layer_norm(x, (n,), w.bfloat16(), b.bfloat16()) for w, b in weights]
+    expected_rms = [cudnorm.rms_norm(x, (n,), w.bfloat16()) for w, _ in weights]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    results = {}
+
+    def run(tag, stream):
+        with torch.cuda.stream(stream):
+            results[tag] = [(cudnorm.layer_norm(x, (n,), w, b), cudnorm.rms_norm(x, (n,), w)) for w, b in weights]
+
+    threads = [threading.Thread(target=run, args=(f"thread{i}", torch.cuda.current_stream())) for i in range(2)]
+    for t in threads:
+        t.start()
+    run("main", torch.cuda.current_stream())
+    run("side", side)
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for tag, outs in results.items():
+        for (y, y_rms), want, want_rms in zip(outs, expected, expected_rms):
+            assert torch.equal(y, want) and torch.equal(y_rms, want_rms), tag
+
+
+def test_misaligned_contiguous_view_is_served_correctly():
+    base = torch.randn(64 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
+    x = base[1:].view(64, 1024)  # contiguous, address 2 bytes past a 16-byte boundary
+    w, b = _weights(1024, "fp32", torch.bfloat16)
+    want = cudnorm.layer_norm(x.clone(), (1024,), w, b)
+    assert torch.equal(cudnorm.layer_norm(x, (1024,), w, b), want)
+    _check_ln(x, w, b)
+
+
 _OUTPUT_ROLES = {"y", "dx", "dscale", "dbias"}
 
 

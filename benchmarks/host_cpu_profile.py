@@ -1,0 +1,92 @@
+"""Host time of cudnorm's Python above the plan launch, on any machine (no GPU needed).
+
+A no-op plan is installed for CPU tensors, so every call walks the real checks, memo and
+dispatch code and stops where a GPU call would launch the graph. Lets host-overhead work be
+measured between device sessions; absolute figures are this CPU's, ratios carry over roughly.
+
+Run: PYTHONPATH=. python benchmarks/host_cpu_profile.py [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import cudnorm
+from cudnorm import _cache, _dispatch, _graphs
+
+M, N = 64, 4096
+
+
+class NoOpPlan(_graphs.Plan):
+    """A built plan as far as the dispatch code can tell, whose launch only reads the
+    buffers' addresses."""
+
+    def __init__(self, spec):
+        super().__init__(spec=spec, graph=None, uids=(), workspace_size=0, plan_name="no-op", build_seconds=0.0)
+
+    def run(self, *buffers):
+        for b in buffers:
+            if b is not None:
+                b.data_ptr()
+
+
+def install_noop_plans():
+    """Route CPU tensors to 'cuDNN' and answer every spec with a :class:`NoOpPlan`."""
+    _dispatch.route = lambda tensor: None
+    _dispatch._build = NoOpPlan  # a miss "builds" a no-op plan: the cache path stays the real one
+
+
+def per_call_us(fn, calls: int = 20000, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``calls`` back-to-back calls (this machine is shared)."""
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def cases():
+    x = torch.randn(M, N, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    w16, b16 = torch.randn(N, dtype=torch.bfloat16), torch.randn(N, dtype=torch.bfloat16)
+    w32, b32 = w16.float(), b16.float()
+    w32g = w32.clone().requires_grad_(True)
+    b32g = b32.clone().requires_grad_(True)
+    return {
+        "layer_norm no_grad bf16 w": (lambda: cudnorm.layer_norm(x, (N,), w16, b16), True),
+        "layer_norm no_grad fp32 w": (lambda: cudnorm.layer_norm(x, (N,), w32, b32), True),
+        "rms_norm no_grad bf16 w": (lambda: cudnorm.rms_norm(x, (N,), w16, 1e-6), True),
+        "layer_norm train fp32 w": (lambda: cudnorm.layer_norm(xg, (N,), w32g, b32g), False),
+        "rms_norm train fp32 w": (lambda: cudnorm.rms_norm(xg, (N,), w32g, 1e-6), False),
+        "torch.empty_like (reference)": (lambda: torch.empty_like(x), True),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", action="store_true", help="cProfile the first case")
+    args = parser.parse_args()
+    install_noop_plans()
+    for name, (fn, no_grad) in cases().items():
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            print(f"{name:34s} {per_call_us(fn):7.2f} us")
+    if args.profile:
+        fn = cases()["layer_norm no_grad bf16 w"][0]
+        with torch.no_grad():
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [fn() for _ in range(20000)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    print("cache:", _cache.plans.info())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The call-signature memo (cudnorm._call_plans): a repeated call skips spec and plan lookup,
+and everything that must still see every call does.
+
+On the CPU, CPU tensors are routed to the "cuDNN" branch and every build returns a
+:class:`RecordingPlan`, a real ``_graphs.Plan`` whose launch records what it was handed.
+"""
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _cache, _call_plans, _dispatch, _graphs, _rows
+
+
+class RecordingPlan(_graphs.Plan):
+    """A built plan as far as the dispatch code can tell; a launch records its buffers."""
+
+    def __init__(self, spec):
+        super().__init__(spec=spec, graph=None, uids=(), workspace_size=0, plan_name="recording", build_seconds=0.0)
+        self.launches = []
+
+    def run(self, *buffers):
+        named = dict(zip(_graphs.roles(self.spec), buffers, strict=True))
+        assert named["x"].data_ptr() % 16 == 0
+        self.launches.append(named)
+
+
+@pytest.fixture
+def recording(monkeypatch, fresh_cache):
+    monkeypatch.setattr(_dispatch, "route", lambda x: None)
+    monkeypatch.setattr(_dispatch, "_build", RecordingPlan)
+    looked_up = []
+    real = _rows.plan_or_chunks
+
+    def spy(spec):
+        looked_up.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(_rows, "plan_or_chunks", spy)
+    return looked_up
+
+
+def _ln(x, n=64):
+    with torch.no_grad():
+        return cudnorm.layer_norm(x, (n,), torch.ones(n, dtype=x.dtype), torch.zeros(n, dtype=x.dtype))
+
+
+def test_repeated_signature_skips_the_lookup_and_counts_a_hit(recording):
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    _ln(x)
+    hits = cudnorm.cache_info().hits
+    _ln(torch.randn(8, 64, dtype=torch.bfloat16))
+    _ln(x)
+    assert len(recording) == 1  # only the first call derived spec and plan
+    assert cudnorm.cache_info().hits == hits + 2
+    plan = _cache.plans.lookup(recording[0])
+    assert len(plan.launches) == 3 and plan.launches[1]["x"].data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("change", ["rows", "dtype", "stride", "phase", "op"])
+def test_another_signature_takes_the_full_path(recording, change):
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    _ln(x)
+    if change == "rows":
+        _ln(torch.randn(9, 64, dtype=torch.bfloat16))
+    elif change == "dtype":
+        _ln(torch.randn(8, 64, dtype=torch.float16))
+    elif change == "stride":
+        _ln(torch.randn(8, 128, dtype=torch.bfloat16)[:, :64])
+    elif change == "phase":
+        cudnorm.layer_norm(x.requires_grad_(), (64,))
+    else:
+        with torch.no_grad():
+            cudnorm.rms_norm(x, (64,))
+    assert len(recording) == 2 and recording[0] != recording[1]
+
+
+def test_misaligned_input_with_a_known_signature_is_copied(recording):
+    base = torch.randn(8 * 64 + 1, dtype=torch.bfloat16)
+    aligned = base[: 8 * 64].view(8, 64)
+    misaligned = base[1:].view(8, 64)  # same shape and strides, address 2 bytes off
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    _ln(aligned)
+    _ln(misaligned)  # RecordingPlan.run asserts the address it is handed is aligned
+    assert len(recording) == 2
+    plan = _cache.plans.lookup(recording[0])
+    assert torch.equal(plan.launches[-1]["x"], misaligned)
+
+
+def test_clear_cache_and_settings_reload_empty_the_memo(recording, cudnorm_env):
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    _ln(x)
+    cudnorm.clear_cache()
+    assert _call_plans._memo == {}
+    _ln(x)
+    assert len(recording) == 2
+    cudnorm_env("CUDNORM_CACHE_SIZE", "100")  # any reload makes a new settings object
+    _ln(x)
+    assert len(recording) == 3
+
+
+def test_record_specs_sees_memoised_calls(recording, tmp_path):
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    _ln(x)
+    with cudnorm.record_specs(tmp_path / "specs.json") as rec:
+        _ln(x)
+    assert rec.specs == [recording[0]]
+
+
+def test_chunked_calls_are_not_memoised(recording, cudnorm_env, monkeypatch):
+    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    monkeypatch.setattr(_rows, "CHUNK_ROWS", {"train": (8, 4), "infer": (8, 4), "bwd": (8, 4)})
+    x = torch.randn(12, 64, dtype=torch.bfloat16)
+    _ln(x)
+    _ln(x)
+    assert len([s for s in recording if s.rows == 12]) == 2  # the row policy saw both calls
+    assert _call_plans._memo == {}
+    assert cudnorm.cache_info().chunked_calls == 2
