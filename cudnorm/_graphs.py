@@ -381,26 +381,39 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
 AUTOTUNE_CANDIDATES = 8
 
 
-def _time_plans(g, spec: NormSpec, reps: int = 20) -> dict[int, float]:
-    """Build and time the first :data:`AUTOTUNE_CANDIDATES` plans; median ms per index."""
+def _time_plans(g, spec: NormSpec, reps: int = 20, budget_ms: float = 50.0) -> dict[int, float]:
+    """Build and time the first :data:`AUTOTUNE_CANDIDATES` plans; median ms per index.
+
+    Each candidate runs once to warm up and once timed; a candidate 3x slower than the best
+    so far keeps that one sample, the others get up to ``reps`` samples within about
+    ``budget_ms`` (at least 3). At 8192 x 262144 a run takes up to ~13 ms, so a fixed 20
+    samples of every candidate would spend seconds where a few decide the order."""
     buffers = dummy_buffers(spec)
     uid_map = dict(zip((UIDS[r] for r in roles(spec)), buffers))
     h = _runtime.handle(spec.device_index)
     device = f"cuda:{spec.device_index}"
     timings = {}
+
+    def sample(index, ws, count):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+        for begin, end in events:
+            begin.record()
+            g.execute_plan_at_index(uid_map, ws, index, handle=h)
+            end.record()
+        torch.cuda.synchronize(device)
+        return sorted(b.elapsed_time(e) for b, e in events)
+
     for index in range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES)):
         try:
             g.build_plan_at_index(index)
             ws_size = int(g.get_workspace_size_plan_at_index(index))
             ws = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=device)
             g.execute_plan_at_index(uid_map, ws, index, handle=h)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for begin, end in events:
-                begin.record()
-                g.execute_plan_at_index(uid_map, ws, index, handle=h)
-                end.record()
-            torch.cuda.synchronize(device)
-            samples = sorted(b.elapsed_time(e) for b, e in events)
+            first = sample(index, ws, 1)[0]
+            if timings and first > 3 * min(timings.values()):
+                timings[index] = first
+                continue
+            samples = sample(index, ws, max(3, min(reps, int(budget_ms / max(first, 1e-3)))))
             timings[index] = samples[len(samples) // 2]
         except Exception:  # a plan that does not build or run is simply not a candidate
             continue

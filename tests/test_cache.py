@@ -99,6 +99,8 @@ def test_policies_from_environment(cudnorm_env):
     assert _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "train", 64, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)
+    assert _dispatch.autotune_wanted("rms_norm", "train", 32768, 32768)  # 2**30 elements: tuned
+    assert not _dispatch.autotune_wanted("rms_norm", "train", 16384, 131072)  # 2**31: tuning costs 36-103 s
     cudnorm_env("CUDNORM_AUTOTUNE", "1")
     assert _dispatch.autotune_wanted("layer_norm", "bwd", 1, 1)
     cudnorm_env("CUDNORM_AUTOTUNE", "0")
