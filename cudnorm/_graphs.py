@@ -381,8 +381,9 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
 AUTOTUNE_CANDIDATES = 8
 
 
-def _time_plans(g, spec: NormSpec, reps: int = 20, budget_ms: float = 50.0) -> dict[int, float]:
-    """Build and time the first :data:`AUTOTUNE_CANDIDATES` plans; median ms per index.
+def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: float = 50.0) -> dict[int, float]:
+    """Build and time the first :data:`AUTOTUNE_CANDIDATES` plans (or the given candidate
+    ``indices``); median ms per index.
 
     Each candidate runs once to warm up and once timed; a candidate 3x slower than the best
     so far keeps that one sample, the others get up to ``reps`` samples within about
@@ -403,7 +404,9 @@ def _time_plans(g, spec: NormSpec, reps: int = 20, budget_ms: float = 50.0) -> d
         torch.cuda.synchronize(device)
         return sorted(b.elapsed_time(e) for b, e in events)
 
-    for index in range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES)):
+    if indices is None:
+        indices = range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES))
+    for index in indices:
         try:
             g.build_plan_at_index(index)
             ws_size = int(g.get_workspace_size_plan_at_index(index))
