@@ -1,5 +1,5 @@
 """Every candidate plan cuDNN offers for one graph, timed: is there a faster plan than the ones
-autotuning looks at (the first ``AUTOTUNE_CANDIDATES``)? Issue 4's "where cuDNN loses" shapes.
+autotuning looks at (the first ``CUDNORM_AUTOTUNE_CANDIDATES``)? Issue 4's "where cuDNN loses" shapes.
 
 For each ``op:phase:MxN`` given, the graph is built with heuristics A + B + FALLBACK, every
 candidate (or those whose name contains ``--engine``) is finalised and timed as autotuning

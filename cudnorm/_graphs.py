@@ -376,13 +376,22 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
     return out
 
 
-#: Autotuning builds and times the heuristics' first candidates only: finalising a plan costs
-#: 0.2-4 s, and timing all 27 LN-forward plans took 6-120 s per graph on the H200.
-AUTOTUNE_CANDIDATES = 8
+#: Autotuning builds and times the heuristics' first candidates only (``CUDNORM_AUTOTUNE_CANDIDATES``,
+#: default 8): finalising a plan costs 0.2-4 s, and timing all 25-28 LN/RMS-forward plans took
+#: 16-39 s per graph at 32768 x 8192..32768 on the H200. The fastest plan is not always among the
+#: first 8: for the LayerNorm forward at 32768 x 8192 it was candidate 21 (4119 GB/s against
+#: 3667 for the best of the first 8; ``benchmarks/probe_plans.py``).
+def autotune_candidates(g) -> range:
+    """Indices of the candidate plans autotuning times."""
+    from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
+
+    count = g.get_execution_plan_count()
+    limit = _settings.current.autotune_candidates
+    return range(count if limit == 0 else min(count, limit))
 
 
 def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: float = 50.0) -> dict[int, float]:
-    """Build and time the first :data:`AUTOTUNE_CANDIDATES` plans (or the given candidate
+    """Build and time the candidates :func:`autotune_candidates` names (or the given
     ``indices``); median ms per index.
 
     Each candidate runs once to warm up and once timed; a candidate 3x slower than the best
@@ -405,7 +414,7 @@ def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: floa
         return sorted(b.elapsed_time(e) for b, e in events)
 
     if indices is None:
-        indices = range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES))
+        indices = autotune_candidates(g)
     for index in indices:
         try:
             g.build_plan_at_index(index)

@@ -135,3 +135,28 @@ def test_cudnn_rows_copies_only_when_needed():
     assert _dispatch.cudnn_rows(padded) is padded, "16-byte aligned padded rows need no copy"
     transposed = torch.randn(64, 16).t()
     assert _dispatch.cudnn_rows(transposed).is_contiguous()
+
+
+class _Candidates:
+    """A graph with ``count`` candidate plans, as far as autotuning asks."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def get_execution_plan_count(self):
+        return self.count
+
+
+def test_autotune_candidates_from_environment(cudnorm_env):
+    from cudnorm import _graphs
+
+    assert _graphs.autotune_candidates(_Candidates(27)) == range(8)  # the default
+    assert _graphs.autotune_candidates(_Candidates(3)) == range(3)
+    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "all")
+    assert _graphs.autotune_candidates(_Candidates(27)) == range(27)
+    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "12")
+    assert _graphs.autotune_candidates(_Candidates(27)) == range(12)
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE_CANDIDATES"):
+            cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", bad)
+    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "8")
