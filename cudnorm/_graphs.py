@@ -381,13 +381,24 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
 #: 16-39 s per graph at 32768 x 8192..32768 on the H200. The fastest plan is not always among the
 #: first 8: for the LayerNorm forward at 32768 x 8192 it was candidate 21 (4119 GB/s against
 #: 3667 for the best of the first 8; ``benchmarks/probe_plans.py``).
-def autotune_candidates(g) -> range:
-    """Indices of the candidate plans autotuning times."""
+#: Plans timed in addition to the first candidates whenever the heuristics list them: measured
+#: fastest where the heuristics rank them low. ``eng3_k24=2_k30=0_k33=0_k34=0_k35=1_k36=3`` was the
+#: fastest LayerNorm forward at 32768 x 4096 and 32768 x 8192 (H200, every candidate timed:
+#: 3923 / 4038 GB/s against 3575 / 3667 for the best of the first 8), ranked 21st-24th.
+EXTRA_CANDIDATES = ("eng3_k24=2_k30=0_k33=0_k34=0_k35=1_k36=3",)
+
+
+def autotune_candidates(g) -> list[int]:
+    """Indices of the candidate plans autotuning times: the first
+    ``CUDNORM_AUTOTUNE_CANDIDATES`` (default 8; ``all``: every one) and any later one named in
+    :data:`EXTRA_CANDIDATES`."""
     from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
 
     count = g.get_execution_plan_count()
     limit = _settings.current.autotune_candidates
-    return range(count if limit == 0 else min(count, limit))
+    first = count if limit == 0 else min(count, limit)
+    extra = [i for i in range(first, count) if str(g.get_plan_name_at_index(i)) in EXTRA_CANDIDATES]
+    return list(range(first)) + extra
 
 
 def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: float = 50.0) -> dict[int, float]:

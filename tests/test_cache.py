@@ -138,24 +138,32 @@ def test_cudnn_rows_copies_only_when_needed():
 
 
 class _Candidates:
-    """A graph with ``count`` candidate plans, as far as autotuning asks."""
+    """A graph with ``count`` candidate plans, as far as autotuning asks; candidate ``special``
+    carries the name of a plan in ``EXTRA_CANDIDATES``."""
 
-    def __init__(self, count):
-        self.count = count
+    def __init__(self, count, special=None):
+        self.count, self.special = count, special
 
     def get_execution_plan_count(self):
         return self.count
+
+    def get_plan_name_at_index(self, index):
+        from cudnorm import _graphs
+
+        return _graphs.EXTRA_CANDIDATES[0] if index == self.special else f"eng5_k{index}"
 
 
 def test_autotune_candidates_from_environment(cudnorm_env):
     from cudnorm import _graphs
 
-    assert _graphs.autotune_candidates(_Candidates(27)) == range(8)  # the default
-    assert _graphs.autotune_candidates(_Candidates(3)) == range(3)
+    assert _graphs.autotune_candidates(_Candidates(27)) == list(range(8))  # the default
+    assert _graphs.autotune_candidates(_Candidates(3)) == list(range(3))
+    assert _graphs.autotune_candidates(_Candidates(27, special=21)) == [*range(8), 21]  # a known fast plan
+    assert _graphs.autotune_candidates(_Candidates(27, special=5)) == list(range(8))  # already among them
     cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "all")
-    assert _graphs.autotune_candidates(_Candidates(27)) == range(27)
+    assert _graphs.autotune_candidates(_Candidates(27, special=21)) == list(range(27))
     cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "12")
-    assert _graphs.autotune_candidates(_Candidates(27)) == range(12)
+    assert _graphs.autotune_candidates(_Candidates(27)) == list(range(12))
     for bad in ("0", "many"):
         with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE_CANDIDATES"):
             cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", bad)
