@@ -20,6 +20,7 @@ import cudnorm
 from cudnorm import _cache, _dispatch, _graphs
 
 M, N = 64, 4096
+ADA_B, ADA_S, ADA_D = 4, 64, 768
 
 
 class NoOpPlan(_graphs.Plan):
@@ -61,27 +62,37 @@ def cases():
     w32, b32 = w16.float(), b16.float()
     w32g = w32.clone().requires_grad_(True)
     b32g = b32.clone().requires_grad_(True)
+    # AdaLN: a DiT-like [B, S, D] with per-sample bf16 scale/shift [B, D]
+    xa = torch.randn(ADA_B, ADA_S, ADA_D, dtype=torch.bfloat16)
+    sa, ta = torch.randn(ADA_B, ADA_D, dtype=torch.bfloat16), torch.randn(ADA_B, ADA_D, dtype=torch.bfloat16)
+    xag, sag, tag = (t.clone().requires_grad_(True) for t in (xa, sa, ta))
+    dya = torch.randn_like(xa)
     return {
         "layer_norm no_grad bf16 w": (lambda: cudnorm.layer_norm(x, (N,), w16, b16), True),
         "layer_norm no_grad fp32 w": (lambda: cudnorm.layer_norm(x, (N,), w32, b32), True),
         "rms_norm no_grad bf16 w": (lambda: cudnorm.rms_norm(x, (N,), w16, 1e-6), True),
         "layer_norm train fp32 w": (lambda: cudnorm.layer_norm(xg, (N,), w32g, b32g), False),
         "rms_norm train fp32 w": (lambda: cudnorm.rms_norm(xg, (N,), w32g, 1e-6), False),
+        "ada_layer_norm no_grad bf16": (lambda: cudnorm.ada_layer_norm(xa, sa, ta, one_plus_scale=True), True),
+        "ada_layer_norm train bf16": (lambda: cudnorm.ada_layer_norm(xag, sag, tag, one_plus_scale=True), False),
+        "ada_layer_norm fwd+grad bf16": (lambda: torch.autograd.grad(
+            cudnorm.ada_layer_norm(xag, sag, tag, one_plus_scale=True), (xag, sag, tag), dya), False),
         "torch.empty_like (reference)": (lambda: torch.empty_like(x), True),
     }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", action="store_true", help="cProfile the first case")
+    parser.add_argument("--profile", default=None, metavar="CASE", nargs="?", const="layer_norm no_grad bf16 w",
+                        help="cProfile one case (default: the first)")
     args = parser.parse_args()
     install_noop_plans()
     for name, (fn, no_grad) in cases().items():
         with torch.no_grad() if no_grad else torch.enable_grad():
             print(f"{name:34s} {per_call_us(fn):7.2f} us")
     if args.profile:
-        fn = cases()["layer_norm no_grad bf16 w"][0]
-        with torch.no_grad():
+        fn, no_grad = cases()[args.profile]
+        with torch.no_grad() if no_grad else torch.enable_grad():
             prof = cProfile.Profile()
             prof.runcall(lambda: [fn() for _ in range(20000)])
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)

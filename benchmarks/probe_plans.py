@@ -1,7 +1,7 @@
 """Every candidate plan cuDNN offers for one graph, timed: is there a faster plan than the ones
 autotuning looks at (the first ``CUDNORM_AUTOTUNE_CANDIDATES``)? Issue 4's "where cuDNN loses" shapes.
 
-For each ``op:phase:MxN`` given, the graph is built with heuristics A + B + FALLBACK, every
+For each ``op:phase:MxN`` given (``ada_layer_norm:phase:BxSxD``), the graph is built with heuristics A + B + FALLBACK, every
 candidate (or those whose name contains ``--engine``) is finalised and timed as autotuning
 times it (``cudnorm._graphs._time_plans``), and a table of plan name, ms and GB/s is printed.
 
@@ -26,9 +26,11 @@ def bytes_moved(spec: NormSpec) -> int:
 
 def probe(text: str, engine: str | None, limit: int, budget_s: float) -> None:
     op, phase, shape = text.split(":")
-    rows, cols = (int(v) for v in shape.split("x"))
-    scale = torch.float32 if phase == "bwd" else torch.bfloat16
-    spec = NormSpec(op, phase, rows, cols, torch.bfloat16, scale, 0, autotune=True)
+    dims = [int(v) for v in shape.split("x")]
+    batch = dims[0] if len(dims) == 3 else 1  # ada_layer_norm: BxSxD
+    rows, cols = batch * dims[-2], dims[-1]
+    scale = torch.float32 if phase == "bwd" and op != "ada_layer_norm" else torch.bfloat16
+    spec = NormSpec(op, phase, rows, cols, torch.bfloat16, scale, 0, batch=batch, autotune=True)
     start = time.perf_counter()
     h = _runtime.handle(0)
     g, _ = _graphs.build_ir(spec, handle=h)
@@ -57,7 +59,7 @@ def probe(text: str, engine: str | None, limit: int, budget_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("graphs", nargs="+", help="op:phase:MxN, e.g. rms_norm:train:32768x8192")
+    parser.add_argument("graphs", nargs="+", help="op:phase:MxN (ada_layer_norm: BxSxD), e.g. rms_norm:train:32768x8192")
     parser.add_argument("--engine", default=None, help="only plans whose name contains this, e.g. eng5")
     parser.add_argument("--limit", type=int, default=64, help="at most this many candidates per graph")
     parser.add_argument("--budget-s", type=float, default=90.0, help="stop timing a graph after this long")

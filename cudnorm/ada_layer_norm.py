@@ -218,22 +218,24 @@ _FORWARDS = {"cudnn": _fwd_cudnn, "per_sample": _fwd_per_sample}
 # ---------------------------------------------------------------- backward
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                   one_plus_scale: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   one_plus_scale: bool, shift_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward on ``x, dy: [B, S, D]``, ``scale: [B, D]`` (the forward's, fp32 or x's dtype).
 
-    Returns ``(dx [B, S, D] x.dtype, dscale [B, D] fp32, dshift [B, D] fp32)``; dscale is the
-    same for both conventions (``d(1 + scale) / dscale = 1``).
+    Returns ``(dx [B, S, D] x.dtype, dscale [B, D] scale.dtype, dshift [B, D] shift_dtype)``,
+    dscale and dshift summed in fp32 and rounded once; dscale is the same for both
+    conventions (``d(1 + scale) / dscale = 1``).
     """
     b, s, d = x.shape
     if _dispatch.route(x) is None:
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         dy2, mean, rstd = _aligned(dy.reshape(b * s, d)), _aligned(mean), _aligned(rstd)
         for name in _BACKWARD_ORDER[_backward_strategy(b, s, d, x.dtype)]:
-            out = _BACKWARDS[name](dy2, x2, b, scale, mean, rstd, one_plus_scale)
+            out = _BACKWARDS[name](dy2, x2, b, scale, mean, rstd, one_plus_scale, shift_dtype)
             if out is not None:
                 dx, dscale, dshift = out
                 return dx.view(b, s, d), dscale, dshift
-    return _torch_backward(dy, x, _gain(scale, one_plus_scale, _F32), mean, rstd)
+    dx, dscale, dshift = _torch_backward(dy, x, _gain(scale, one_plus_scale, _F32), mean, rstd)
+    return dx, dscale.to(scale.dtype), dshift.to(shift_dtype)
 
 
 def _torch_backward(dy, x, gain, mean, rstd):
@@ -248,7 +250,7 @@ def _torch_backward(dy, x, gain, mean, rstd):
     return dx.to(x.dtype), (dyf * xhat).sum(1), dyf.sum(1)
 
 
-def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit):
+def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     """cuDNN's adalayernorm backward, reading the gain (and writing dscale/dshift) in the
     scale's own dtype."""
     spec = _dispatch.spec_for(_OP, "bwd", x2, scale.dtype, x2.device.index, batch=b)
@@ -260,29 +262,37 @@ def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit):
     dscale = torch.empty(gain.shape, dtype=gain.dtype, device=x2.device)
     dshift = torch.empty_like(dscale)
     plan.run(x2, gain, dy2, mean, rstd, dx, dscale, dshift)
-    return dx, dscale.float(), dshift.float()
+    return dx, dscale, dshift.to(shift_dtype)
 
 
-def _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit):
-    """``(plan, bases)`` for the per-sample LayerNorm backward, or ``None``. ``bases`` are the
-    ``[B, ...]`` tensors in the graph's role order (x, gain, dy, mean, rstd, dx, dscale,
-    dshift); sample ``i`` reads and writes ``t[i]`` of each. The fp32 ``[B, D]`` and stats
-    buffers get 16-byte aligned rows (padded when ``D`` or ``S`` is not a multiple of 4)."""
+#: The per-sample LayerNorm backward is autotuned (``CUDNORM_AUTOTUNE=auto``) when one sample
+#: has this many elements: its plan runs B times a call, and such calls are GPU-bound. H200,
+#: ``benchmarks/probe_plans.py layer_norm:bwd:4096x3072`` (a 16x4096x3072 sample): first plan
+#: 0.0380 ms, fastest of 20 0.0363 ms; the call's backward went from 0.529 to 0.470 ms
+#: (``benchmarks/probe_ada.py``, GPU time). Smaller samples are not tuned: their x, dy and dx
+#: fit in the 50 MB L2 while candidates are timed back to back, and at 8x4096x1152 the plan
+#: picked that way made the call's backward slower (0.140 -> 0.149 ms with L2 flushed).
+PER_SAMPLE_BWD_TUNE_ELEMENTS = 1 << 23
+
+
+def _per_sample_bwd_spec(sample: torch.Tensor, device_index: int) -> NormSpec:
+    """The spec of the per-sample LayerNorm backward (fp32 weight) for ``sample: [S, D]``,
+    the view of one sample's rows (real or meta)."""
+    spec = _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
+    large = spec.rows * spec.cols >= PER_SAMPLE_BWD_TUNE_ELEMENTS
+    if large and not spec.autotune and _settings.current.autotune == "auto":
+        spec = spec._replace(autotune=True)
+    return spec
+
+
+def _per_sample_plan(x2, b):
+    """The LayerNorm-backward plan of one sample (fp32 weight), or ``None`` when the samples
+    are not 16-byte aligned or cuDNN declines."""
     rows, d = x2.shape
     s = rows // b
     if not _per_sample_fits(s, x2.stride(0), d, x2.element_size()):
         return None
-    spec = _dispatch.spec_for("layer_norm", "bwd", x2[:s], _F32, x2.device.index)
-    plan = _dispatch.get_plan(spec)
-    if plan is None:
-        return None
-    device = x2.device
-    gain = _gain(scale, dit, _F32) if d % 4 == 0 else _gain(scale, dit, _F32, out=_padded_rows(b, d, device))
-    stats = [t.view(b, s) if s % 4 == 0 else _padded_rows(b, s, device).copy_(t.view(b, s)) for t in (mean, rstd)]
-    dx = torch.empty((b, s, d), dtype=x2.dtype, device=device)
-    bases = (x2.unflatten(0, (b, s)), gain, dy2.view(b, s, d), stats[0], stats[1], dx,
-             _padded_rows(b, d, device), _padded_rows(b, d, device))
-    return plan, bases
+    return _dispatch.get_plan(_per_sample_bwd_spec(x2[:s], x2.device.index))
 
 
 def _launch_per_sample(plan, bases) -> None:
@@ -290,79 +300,109 @@ def _launch_per_sample(plan, bases) -> None:
         plan.run(*buffers)
 
 
-def _per_sample_outputs(bases):
-    return bases[5], bases[6].contiguous(), bases[7].contiguous()  # copies only padded rows
+def _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, dx, dscale, dshift) -> None:
+    """The whole per-sample backward of a call, into ``dx [B, S, D]`` and ``dscale``/``dshift``
+    ``[B, D]`` (any float dtype): the fp32 gain, B LayerNorm-backward launches (weight
+    ``gain[b]``; their dW/dB are sample b's dscale/dshift, in fp32) and the rounding into the
+    outputs. Only scratch is allocated here, so a CUDA graph can record all of it. The fp32
+    ``[B, D]`` and statistics rows each start 16-byte aligned (padded when ``D`` or ``S`` is
+    not a multiple of 4), as the per-sample graphs' descriptors require."""
+    rows, d = x2.shape
+    s = rows // b
+    device = x2.device
+    gain = _gain(scale, dit, _F32) if d % 4 == 0 else _gain(scale, dit, _F32, out=_padded_rows(b, d, device))
+    stats = [t.view(b, s) if s % 4 == 0 else _padded_rows(b, s, device).copy_(t.view(b, s)) for t in (mean, rstd)]
+    sums = [out if out.dtype is _F32 and d % 4 == 0 else _padded_rows(b, d, device) for out in (dscale, dshift)]
+    _launch_per_sample(plan, (x2.unflatten(0, (b, s)), gain, dy2.view(b, s, d), *stats, dx, *sums))
+    for out, summed in zip((dscale, dshift), sums):
+        if out is not summed:
+            out.copy_(summed)
 
 
-def _bwd_per_sample(dy2, x2, b, scale, mean, rstd, dit):
-    prepared = _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit)
-    if prepared is None:
+def _backward_outputs(x2, b, scale_dtype, shift_dtype):
+    """Fresh ``(dx [B, S, D], dscale [B, D], dshift [B, D])``."""
+    device = x2.device
+    d = x2.shape[1]
+    return (torch.empty((b, x2.shape[0] // b, d), dtype=x2.dtype, device=device),
+            torch.empty((b, d), dtype=scale_dtype, device=device), torch.empty((b, d), dtype=shift_dtype, device=device))
+
+
+def _bwd_per_sample(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
+    plan = _per_sample_plan(x2, b)
+    if plan is None:
         return None
-    plan, bases = prepared
-    _launch_per_sample(plan, bases)
-    return _per_sample_outputs(bases)
+    outputs = _backward_outputs(x2, b, scale.dtype, shift_dtype)
+    _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, *outputs)
+    return outputs
 
 
 class _CapturedLaunches:
-    """The B per-sample backward launches of a call, captured once in a CUDA graph.
+    """Whole per-sample backwards (gain, B launches, rounding of dscale/dshift), each captured
+    once in a CUDA graph and replayed: one replay instead of B + 3 launches.
 
-    Correctness: a graph replays fixed pointers, so the key holds the LayerNorm spec (shape,
-    strides, dtype), B, the stream and the base pointer of every buffer (x, gain, dy, mean,
-    rstd, dx, dscale, dshift). A replay therefore reads and writes exactly the tensors of the
-    current call, with no copies in or out; memory freed and reused by another tensor of the
-    same layout is read as that tensor, which is what the call asks. Keying on the stream
-    keeps two streams from racing on the workspace.
+    Correctness: a graph replays fixed pointers, so the key holds the family (LayerNorm spec,
+    B, convention, dtypes and strides of scale, output dtypes), the stream and the base
+    pointer of every tensor read or written (x, scale, dy, mean, rstd, dx, dscale, dshift).
+    A replay therefore reads and writes exactly the tensors of the current call; memory
+    freed and reused by another tensor of the same layout is read as that tensor, which is
+    what the call asks. Scratch (the fp32 gain, padded rows) lives in the graph's memory.
+    Keying on the stream keeps two streams from racing on the workspace and scratch.
 
-    Cost: a miss runs the launches eagerly (that call's result), then records them on a side
+    Cost: a miss runs the backward eagerly (that call's result), then records it on a side
     stream (host time only; nothing runs twice). In a training loop the caching allocator
     hands out the same addresses each step, so steady-state calls hit.
 
-    Memory: cuDNN's workspace lives in a graph memory pool shared by the entries of one
-    (device, stream); replays on one stream never overlap, so sharing it is safe. At most
-    ``CUDNORM_ADA_GRAPH_CACHE`` entries (default 64; a DiT-XL step makes 56 AdaLN calls)
-    are kept, least recently used evicted; 0 disables capture.
+    Memory: cuDNN's workspace and the scratch live in a graph memory pool shared by the
+    entries of one (device, stream); replays on one stream never overlap and keep nothing
+    in scratch between replays, so sharing it is safe. At most ``CUDNORM_ADA_GRAPH_CACHE``
+    entries (default 64; a DiT-XL step makes 56 AdaLN calls) are kept, least recently used
+    evicted; 0 disables capture.
 
-    Thrashing guard: when the addresses never repeat (a caller whose buffers move every
-    call), every call would pay a capture. After :attr:`MAX_MISSES` misses of one (spec, B,
-    stream) without a single replay, that family stops capturing and runs the plain
-    launches.
+    Thrashing guard: a capture pays off only when its addresses come back. A family holding
+    :attr:`MAX_MISSES` captures that were never replayed (a caller whose buffers move every
+    call) captures no more and runs the plain launches; each first replay of an entry frees
+    a slot, so a steady model with many calls of one family is captured over a few steps.
     """
 
     MAX_MISSES = 8
 
     def __init__(self) -> None:
-        self.entries: OrderedDict = OrderedDict()  # key -> (CUDAGraph or None: capture failed, plan)
+        self.entries: OrderedDict = OrderedDict()  # key -> [CUDAGraph or None (failed), plan, replayed, keep]
         self.pools: dict = {}
         self.replays = 0
-        self.misses: dict = {}  # (spec, B, stream) -> misses, or -1 once it has replayed
+        self.unproven: dict = {}  # family -> captures not replayed yet
 
-    def run(self, plan, bases) -> None:
+    def run(self, plan, family: tuple, tensors: tuple, program, keep=None) -> None:
+        """Run ``program()`` (which reads and writes only ``tensors``, scratch and ``keep``,
+        cached tensors the entry holds on to: their memory must outlive the graph) through
+        the graph cache."""
         device = plan.spec.device_index
         stream = _runtime.current_stream_ptr(device)
-        family = (plan.spec, len(bases[0]), stream)
-        key = (*family, *(t.data_ptr() for t in bases))
+        key = (family, stream, *(t.data_ptr() for t in tensors))
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
             if entry[0] is None:
-                _launch_per_sample(plan, bases)
-            else:
-                entry[0].replay()
-                self.replays += 1
-                self.misses[family] = -1
+                program()
+                return
+            entry[0].replay()
+            self.replays += 1
+            if not entry[2]:
+                entry[2] = True
+                self.unproven[family] -= 1
             return
-        _launch_per_sample(plan, bases)
-        misses = self.misses.get(family, 0)
-        if 0 <= misses:
-            self.misses[family] = misses + 1
+        program()
         limit = _settings.current.ada_graph_cache
-        if limit and misses < self.MAX_MISSES:
-            self.entries[key] = (self._capture(plan, bases, device, stream), plan)  # the plan owns the kernels
+        unproven = self.unproven.get(family, 0)
+        if limit and unproven < self.MAX_MISSES:
+            self.unproven[family] = unproven + 1
+            # the plan owns the kernels
+            self.entries[key] = [self._capture(program, device, stream), plan, False, keep]
             while len(self.entries) > limit:
                 self.entries.popitem(last=False)
 
-    def _capture(self, plan, bases, device: int, stream: int):
-        """Record the launches (nothing runs); ``None``, with a warning, if capture fails."""
+    def _capture(self, program, device: int, stream: int):
+        """Record ``program`` (nothing runs); ``None``, with a warning, if capture fails."""
         pool = self.pools.get((device, stream))
         if pool is None:
             pool = self.pools[(device, stream)] = torch.cuda.graph_pool_handle()
@@ -375,7 +415,7 @@ class _CapturedLaunches:
                 # thread_local: other threads (data loaders, autograd workers) keep working
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    _launch_per_sample(plan, bases)
+                    program()
                 finally:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - capture refused (driver, nested capture): stay correct, eager
@@ -388,7 +428,7 @@ class _CapturedLaunches:
     def clear(self) -> None:
         self.entries.clear()
         self.pools.clear()
-        self.misses.clear()
+        self.unproven.clear()
 
 
 _captured = _CapturedLaunches()
@@ -399,15 +439,18 @@ def clear_captured_graphs() -> None:
     _captured.clear()
 
 
-def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit):
+def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return None  # an outer capture records the plain launches itself
-    prepared = _per_sample_buffers(dy2, x2, b, scale, mean, rstd, dit)
-    if prepared is None:
+    plan = _per_sample_plan(x2, b)
+    if plan is None:
         return None
-    plan, bases = prepared
-    _captured.run(plan, bases)
-    return _per_sample_outputs(bases)
+    outputs = _backward_outputs(x2, b, scale.dtype, shift_dtype)
+    family = (plan.spec, b, dit, scale.dtype, scale.stride(), shift_dtype)
+    one = _dispatch.constant(1.0, x2.shape[1], _F32, x2.device) if dit else None  # read by the gain's add
+    _captured.run(plan, family, (x2, scale, dy2, mean, rstd, *outputs),
+                  lambda: _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, *outputs), keep=one)
+    return outputs
 
 
 _BACKWARDS = {"cudnn": _bwd_cudnn, "per_sample": _bwd_per_sample, "per_sample_graph": _bwd_per_sample_graph}
@@ -427,9 +470,9 @@ def _(x, scale, shift, eps, one_plus_scale, training):
 
 
 @ada_layer_norm_bwd.register_fake
-def _(dy, x, scale, mean, rstd, one_plus_scale):
+def _(dy, x, scale, mean, rstd, one_plus_scale, shift_dtype):
     b, _, d = x.shape
-    return x.new_empty(x.shape), x.new_empty((b, d), dtype=_F32), x.new_empty((b, d), dtype=_F32)
+    return x.new_empty(x.shape), x.new_empty((b, d), dtype=scale.dtype), x.new_empty((b, d), dtype=shift_dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -449,8 +492,8 @@ def _make_backward(backward_fn):
         if mean.numel() == 0:
             raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
-        dx, dscale, dshift = backward_fn(dy, x, scale, mean, rstd, ctx.one_plus_scale)
-        return dx, dscale.to(scale.dtype), dshift.to(ctx.shift_dtype), None, None, None
+        dx, dscale, dshift = backward_fn(dy, x, scale, mean, rstd, ctx.one_plus_scale, ctx.shift_dtype)
+        return dx, dscale, dshift, None, None, None
 
     return backward
 
@@ -554,7 +597,7 @@ def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype
             strategy = _backward_strategy(batch, seq, cols, x_dtype)
             per_sample = strategy.startswith("per_sample") and _per_sample_fits(seq, cols, cols, x_dtype.itemsize)
             if per_sample:
-                specs.append(_dispatch.spec_for("layer_norm", "bwd", x2[:seq], _F32, device_index))
+                specs.append(_per_sample_bwd_spec(x2[:seq], device_index))
             elif strategy != "torch":
                 specs.append(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, device_index, batch=batch))
             continue

@@ -198,7 +198,7 @@ def test_per_sample_declines_misaligned_samples():
     assert ada._per_sample_fits(4, 30, 30, 2) and ada._per_sample_fits(1, 1000, 1000, 2, 2)
     x = torch.randn(2 * 3, 30, dtype=torch.bfloat16)
     stats = torch.ones(6)
-    assert ada._bwd_per_sample(x, x, 2, torch.ones(2, 30), stats, stats, True) is None
+    assert ada._bwd_per_sample(x, x, 2, torch.ones(2, 30), stats, stats, True, torch.float32) is None
 
 
 def test_gain_is_summed_in_fp32_and_rounded_once():
@@ -308,7 +308,7 @@ def test_opcheck_cpu(training):
                                                                          True, training))
     x, scale, _ = _op_args("cpu", training=False)
     _, mean, rstd = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, scale, 1e-6, False, True)
-    bwd_args = (torch.randn_like(x), x, scale, mean, rstd, True)
+    bwd_args = (torch.randn_like(x), x, scale, mean, rstd, True, torch.bfloat16)
     torch.library.opcheck(torch.ops.cudnorm.ada_layer_norm_bwd.default, bwd_args)
 
 
@@ -364,7 +364,7 @@ def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy, cudnorm_en
     assert set(rec.specs) == set(expected), (rec.specs, expected)
     assert all(_cache.plans.lookup(spec) is not _cache.DECLINED for spec in rec.specs)
     if strategy == "per_sample_graph":
-        assert any(graph is not None for graph, _ in ada._captured.entries.values())
+        assert any(entry[0] is not None for entry in ada._captured.entries.values())
 
 
 @pytest.mark.gpu
@@ -378,14 +378,15 @@ def test_gpu_plain_convention_same_dtype_scale(fwd, bwd, cudnorm_env):
 
 
 @pytest.mark.gpu
-def test_gpu_captured_backward_replays_current_data(cudnorm_env):
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])  # bf16: the graph also rounds dscale/dshift
+def test_gpu_captured_backward_replays_current_data(wdtype, cudnorm_env):
     cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
     ada.clear_captured_graphs()
-    x, scale, shift = _inputs((16, 128, 1024), torch.bfloat16, torch.float32, True, "cuda")
+    x, scale, shift = _inputs((16, 128, 1024), torch.bfloat16, wdtype, True, "cuda")
     dy = torch.randn_like(x)
     mean = torch.empty(16 * 128, device="cuda")
     rstd = torch.empty_like(mean)
-    for _ in range(5):  # same buffers, new values (in place: no allocation moves them)
+    for _ in range(10):  # same buffers, new values (in place: no allocation moves them)
         x.normal_()
         dy.normal_()
         scale.normal_(std=0.1)
@@ -393,14 +394,15 @@ def test_gpu_captured_backward_replays_current_data(cudnorm_env):
         mean.copy_(m)
         rstd.copy_(r)
         del y, m, r
-        got = torch.ops.cudnorm.ada_layer_norm_bwd(dy, x, scale, mean, rstd, True)
-        want = ada._torch_backward(dy, x, 1 + scale, mean, rstd)
+        got = torch.ops.cudnorm.ada_layer_norm_bwd(dy, x, scale, mean, rstd, True, wdtype)
+        want = ada._torch_backward(dy, x, 1 + scale.float(), mean, rstd)
+        assert [g.dtype for g in got] == [x.dtype, wdtype, wdtype]
         for g, w in zip(got, want):
-            torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(g.float(), w.to(g.dtype).float(), atol=2e-2, rtol=2e-2)
         del got, want
     # the allocator hands out the same blocks once it settles: later calls replay
     assert ada._captured.replays >= 2
-    assert all(graph is not None for graph, _ in ada._captured.entries.values())
+    assert all(entry[0] is not None for entry in ada._captured.entries.values())
 
 
 @pytest.mark.gpu
@@ -445,7 +447,7 @@ def test_gpu_opcheck(fwd, bwd, training, dtype, cudnorm_env):
                                                                          True, training))
     x, scale, _ = _op_args("cuda", dtype, training=False)
     _, mean, rstd = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, scale, 1e-6, False, True)
-    bwd_args = (torch.randn_like(x), x, scale, mean, rstd, True)
+    bwd_args = (torch.randn_like(x), x, scale, mean, rstd, True, torch.bfloat16)
     torch.library.opcheck(torch.ops.cudnorm.ada_layer_norm_bwd.default, bwd_args)
 
 
@@ -460,7 +462,8 @@ def test_gpu_compile_fullgraph(cudnorm_env):
 
 def test_captured_backward_stops_capturing_when_addresses_never_repeat(monkeypatch):
     """The thrashing guard of the per-sample graph cache, with the CUDA parts faked: a
-    caller whose buffers move on every call pays at most MAX_MISSES captures."""
+    caller whose buffers move on every call pays at most MAX_MISSES captures; a steady
+    caller is captured once and then replayed; a replay frees a capture slot."""
     ada = importlib.import_module("cudnorm.ada_layer_norm")
     captures, launches = [], []
 
@@ -468,21 +471,54 @@ def test_captured_backward_stops_capturing_when_addresses_never_repeat(monkeypat
         def replay(self):
             launches.append("replay")
 
-    monkeypatch.setattr(ada, "_launch_per_sample", lambda plan, bases: launches.append("eager"))
     monkeypatch.setattr(ada._runtime, "current_stream_ptr", lambda device: 7)
-    cache = ada._CapturedLaunches()
-    monkeypatch.setattr(cache, "_capture", lambda plan, bases, device, stream: captures.append(1) or FakeGraph())
     plan = type("FakePlan", (), {"spec": ada.NormSpec("layer_norm", "bwd", 8, 16, torch.float32,
                                                        torch.float32, 0)})()
-    kept = []
+    family = (plan.spec, 4, True)
+    program = lambda: launches.append("eager")  # noqa: E731
+
+    def fake_cache():
+        cache = ada._CapturedLaunches()
+        monkeypatch.setattr(cache, "_capture", lambda program, device, stream: captures.append(1) or FakeGraph())
+        return cache
+
+    cache, kept = fake_cache(), []
     for _ in range(3 * cache.MAX_MISSES):  # fresh buffers every call: never the same key
-        bases = [torch.empty(4, 16) for _ in range(8)]
-        kept.append(bases)
-        cache.run(plan, bases)
+        tensors = [torch.empty(4, 16) for _ in range(8)]
+        kept.append(tensors)
+        cache.run(plan, family, tensors, program)
     assert len(captures) == cache.MAX_MISSES and launches.count("eager") == 3 * cache.MAX_MISSES
-    other = ada._CapturedLaunches()
-    monkeypatch.setattr(other, "_capture", lambda plan, bases, device, stream: captures.append(1) or FakeGraph())
+    assert cache.unproven[family] == cache.MAX_MISSES
+
+    launches.clear()
+    other = fake_cache()
     steady = [torch.empty(4, 16) for _ in range(8)]
     for _ in range(3):
-        other.run(plan, steady)
-    assert other.replays == 2, "a steady caller is captured once, then replayed"
+        other.run(plan, family, steady, program)
+    assert other.replays == 2 and launches == ["eager", "replay", "replay"], "captured once, then replayed"
+    assert other.unproven[family] == 0
+
+    # many distinct steady calls of one family (a DiT step): captured MAX_MISSES at a time
+    captures.clear()
+    many = fake_cache()
+    calls = [[torch.empty(4, 16) for _ in range(8)] for _ in range(3 * many.MAX_MISSES)]
+    for _ in range(4):
+        for tensors in calls:
+            many.run(plan, family, tensors, program)
+    assert len(captures) == len(calls) and many.unproven[family] == 0
+
+
+@pytest.mark.parametrize("mode, shape, tuned", [
+    ("auto", (16, 4096, 3072), True), ("auto", (1, 8192, 1024), True),  # >= 2**23 elements a sample
+    ("auto", (8, 4096, 1152), False), ("auto", (32, 256, 1152), False),
+    ("0", (16, 4096, 3072), False), ("on", (2, 4096, 1536), True)])
+def test_per_sample_backward_tuned_on_large_calls(mode, shape, tuned, cudnorm_env):
+    """The per-sample LayerNorm backward runs B times a call: large samples tune its plan, and
+    warmup's specs (``specs_for``) ask for exactly the spec the op builds."""
+    cudnorm_env("CUDNORM_AUTOTUNE", mode)
+    cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
+    b, s, d = shape
+    x2 = torch.empty((b * s, d), dtype=torch.bfloat16, device="meta")
+    spec = ada._per_sample_bwd_spec(x2[:s], 0)
+    assert (spec.op, spec.phase, spec.rows, spec.autotune) == ("layer_norm", "bwd", s, tuned)
+    assert ada.specs_for(b, s, d, torch.bfloat16, torch.float32, 0, phases=("bwd",)) == [spec]
