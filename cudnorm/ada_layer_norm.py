@@ -265,24 +265,13 @@ def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     return dx, dscale, dshift.to(shift_dtype)
 
 
-#: The per-sample LayerNorm backward is autotuned (``CUDNORM_AUTOTUNE=auto``) when one sample
-#: has this many elements: its plan runs B times a call, and such calls are GPU-bound. H200,
-#: ``benchmarks/probe_plans.py layer_norm:bwd:4096x3072`` (a 16x4096x3072 sample): first plan
-#: 0.0380 ms, fastest of 20 0.0363 ms; the call's backward went from 0.529 to 0.470 ms
-#: (``benchmarks/probe_ada.py``, GPU time). Smaller samples are not tuned: their x, dy and dx
-#: fit in the 50 MB L2 while candidates are timed back to back, and at 8x4096x1152 the plan
-#: picked that way made the call's backward slower (0.140 -> 0.149 ms with L2 flushed).
-PER_SAMPLE_BWD_TUNE_ELEMENTS = 1 << 23
-
-
 def _per_sample_bwd_spec(sample: torch.Tensor, device_index: int) -> NormSpec:
     """The spec of the per-sample LayerNorm backward (fp32 weight) for ``sample: [S, D]``,
     the view of one sample's rows (real or meta)."""
-    spec = _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
-    large = spec.rows * spec.cols >= PER_SAMPLE_BWD_TUNE_ELEMENTS
-    if large and not spec.autotune and _settings.current.autotune == "auto":
-        spec = spec._replace(autotune=True)
-    return spec
+    # Not autotuned by default (as for every backward): at 16x4096x3072 the tuned plan gave
+    # 0.477 ms in one process and 0.535 in another (untuned: 0.539), because candidates are
+    # timed back to back without flushing L2 (benchmarks/results/nvidia-h200/README.md).
+    return _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
 
 
 def _per_sample_plan(x2, b):
