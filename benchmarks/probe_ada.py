@@ -19,31 +19,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
 import cudnorm
+from cudnorm._bench.cuda_graph import wall_us_per_call
 
 SHAPES = ((4, 1024, 768), (32, 256, 1152), (8, 4096, 1152), (16, 4096, 3072), (2, 4096, 1536))
 
 
 def do_bench(fn) -> float:
-    import triton  # noqa: PLC0415 - GPU machines only
+    import triton
 
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 def host_ms(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
+    return wall_us_per_call(fn, calls) / 1e3
 
 
 def graph_ms(fn) -> float:
@@ -93,7 +86,7 @@ def probe(shape) -> None:
         # node was made on another stream syncs with that stream and breaks the capture
         step_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
 
-        def step(fn=fn):
+        def step(fn=fn, step_leaves=step_leaves):
             return torch.autograd.grad(fn(*step_leaves), step_leaves, dy)
 
         gpu = {"infer": graph_ms(infer), "train": graph_ms(train)}
@@ -105,9 +98,9 @@ def probe(shape) -> None:
 def profile_backward(shape, calls: int = 200) -> None:
     """cProfile of ``calls`` backward calls of cudnorm (as the bench makes them), and the
     captured-graph cache's counters: where does the host time of the backward go?"""
-    import cProfile  # noqa: PLC0415
-    import importlib  # noqa: PLC0415
-    import pstats  # noqa: PLC0415
+    import cProfile
+    import importlib
+    import pstats
 
     ada = importlib.import_module("cudnorm.ada_layer_norm")
     b, s, d = shape

@@ -6,31 +6,23 @@ run and for how long, and how much host time a call costs, LayerNorm vs RMSNorm,
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import cudnorm
+from cudnorm._bench.cuda_graph import wall_us_per_call
 
 M, N = 32768, 1024
 
 
 def do_bench(fn) -> float:
-    import triton  # noqa: PLC0415 - GPU machines only
+    import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def wall_us(fn, calls=200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return wall_us_per_call(fn, calls)
 
 
 def kernels(fn, calls=5) -> None:
@@ -57,16 +49,16 @@ def main() -> None:
     for wdtype in (torch.float32, torch.bfloat16):
         w = torch.randn(N, device="cuda", dtype=wdtype, requires_grad=True)
         b = torch.randn(N, device="cuda", dtype=wdtype, requires_grad=True)
-        cases = {"layer_norm": (lambda: cudnorm.layer_norm(x, (N,), w, b), [x, w, b]),
-                 "rms_norm": (lambda: cudnorm.rms_norm(x, (N,), w), [x, w]),
-                 "F.layer_norm": (lambda: torch.nn.functional.layer_norm(x, (N,), w, b), [x, w, b]),
-                 "F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (N,), w), [x, w])}
+        cases = {"layer_norm": (lambda w=w, b=b: cudnorm.layer_norm(x, (N,), w, b), [x, w, b]),
+                 "rms_norm": (lambda w=w: cudnorm.rms_norm(x, (N,), w), [x, w]),
+                 "F.layer_norm": (lambda w=w, b=b: torch.nn.functional.layer_norm(x, (N,), w, b), [x, w, b]),
+                 "F.rms_norm": (lambda w=w: torch.nn.functional.rms_norm(x, (N,), w), [x, w])}
         for name, (fwd, params) in cases.items():
             if name.startswith("F.") and wdtype is torch.float32:
                 continue
             y = fwd()
-            grad = lambda y=y, params=params: torch.autograd.grad(y, params, dy, retain_graph=True)  # noqa: E731
-            grad_x = lambda y=y: torch.autograd.grad(y, [x], dy, retain_graph=True)  # noqa: E731
+            grad = lambda y=y, params=params: torch.autograd.grad(y, params, dy, retain_graph=True)
+            grad_x = lambda y=y: torch.autograd.grad(y, [x], dy, retain_graph=True)
             print(f"  {name} {str(wdtype)[6:]} w: bench {do_bench(grad) * 1e3:7.1f} us, wall {wall_us(grad):7.1f} us/call,"
                   f" x only: bench {do_bench(grad_x) * 1e3:7.1f} us, wall {wall_us(grad_x):7.1f}")
             kernels(grad)
