@@ -1,7 +1,7 @@
-"""Which plan runs a call: ``x`` as cuDNN reads it, its :class:`NormSpec` and its plan, with a
-memo so that a call repeating an earlier call's signature skips re-deriving them.
+"""Which plan runs a call, memoised by the call's signature so that a call repeating an
+earlier one skips re-deriving it.
 
-Deriving them costs a layout check (four stride reads and an address), building the spec,
+Deriving a plan costs a layout check (four stride reads and an address), building the spec,
 the row-count policy of :mod:`cudnorm._rows` and the plan cache's locked LRU update: about a
 third of the host time of a small norm call. Training and serving repeat a few signatures
 (shape, strides, dtypes, device, phase) millions of times, so the first call of a signature
@@ -10,8 +10,9 @@ records what it found and later calls check one dictionary. Only exact plans are
 keeps the row policy's counters and the fallback warnings as they are. A recorded call still
 checks the one thing its signature does not fix, the 16-byte alignment of ``x``'s address.
 
-The memo is emptied by ``cudnorm.clear_cache()`` and whenever the settings are reloaded, and
-is bypassed while ``cudnorm.record_specs()`` is recording (every spec must be seen then).
+Every memo (:class:`SignatureMemo`) is emptied by ``cudnorm.clear_cache()`` and whenever the
+settings are reloaded, and is bypassed while ``cudnorm.record_specs()`` is recording (every
+spec must be seen then).
 """
 
 from __future__ import annotations
@@ -21,9 +22,36 @@ import torch
 from . import _cache, _dispatch, _graphs, _rows, _settings
 from ._spec import NormSpec
 
-_CAPACITY = 1024
-_memo: dict = {}  # signature -> (spec, plan)
-_memo_settings = None  # the settings _memo was filled under
+_memos: list[SignatureMemo] = []
+
+
+class SignatureMemo:
+    """A bounded dictionary from a call signature to what the call resolved to, valid for
+    one settings object; reads and writes are no-ops while specs are being recorded."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self.entries: dict = {}
+        self._settings = None  # the settings the entries were made under
+        _memos.append(self)
+
+    def get(self, signature: tuple):
+        if self._settings is not _settings.current or _dispatch._recorders:
+            return None
+        return self.entries.get(signature)
+
+    def put(self, signature: tuple, value) -> None:
+        if _dispatch._recorders:
+            return
+        if self._settings is not _settings.current:
+            self.entries.clear()
+            self._settings = _settings.current
+        if len(self.entries) >= self.capacity:
+            self.entries.clear()
+        self.entries[signature] = value
+
+
+_norm_calls = SignatureMemo()  # LayerNorm / RMSNorm: signature -> (spec, plan)
 
 
 def rows_spec_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype
@@ -35,29 +63,19 @@ def rows_spec_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtyp
     ``None`` (cuDNN declines: the caller runs PyTorch's kernels).
     """
     signature = (op, phase, x.shape, x.stride(), x.dtype, x.get_device(), scale_dtype)
-    hit = _memo.get(signature)
-    if hit is not None and _memo_settings is _settings.current and not _dispatch._recorders \
-            and not x.data_ptr() % 16:
+    hit = _norm_calls.get(signature)
+    if hit is not None and not x.data_ptr() % 16:
         _cache.plans.count_hit()
         return x, hit[0], hit[1]
     rows = _dispatch.cudnn_rows(x)
     spec = _dispatch.spec_for(op, phase, rows, scale_dtype, rows.device.index)
     plan = _rows.plan_or_chunks(spec)
-    if rows is x and isinstance(plan, _graphs.Plan) and not _dispatch._recorders:
-        _remember(signature, spec, plan)
+    if rows is x and isinstance(plan, _graphs.Plan):
+        _norm_calls.put(signature, (spec, plan))
     return rows, spec, plan
 
 
-def _remember(signature: tuple, spec: NormSpec, plan) -> None:
-    global _memo_settings
-    if _memo_settings is not _settings.current:
-        _memo.clear()
-        _memo_settings = _settings.current
-    if len(_memo) >= _CAPACITY:
-        _memo.clear()
-    _memo[signature] = (spec, plan)
-
-
 def forget() -> None:
-    """Empty the memo (``cudnorm.clear_cache()`` calls this)."""
-    _memo.clear()
+    """Empty every memo (``cudnorm.clear_cache()`` calls this)."""
+    for memo in _memos:
+        memo.entries.clear()

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _dispatch, _runtime, _settings
+from . import _cache, _call_plans, _checks, _dispatch, _runtime, _settings
 from . import reference as ref
 from ._graphs import host_scalar
 from ._spec import NormSpec
@@ -150,17 +150,26 @@ def _forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: flo
 
 def _run_forward(x, scale, shift, eps, dit, training):
     """``(y, mean, rstd)`` from the first strategy that serves the call (stats ``None`` when
-    not training: eager inference allocates no empty statistics). The hot path: keep it lean."""
+    not training: eager inference allocates no empty statistics). The hot path: a call
+    repeating an earlier call's signature takes the strategy and plan it found from
+    :data:`_forward_plans` (as :mod:`cudnorm._call_plans` does for LayerNorm/RMSNorm)."""
     dtype = _forward_dtype(x, scale, shift)
     gain = _gain(scale, dit, dtype)
     shift = _aligned(shift if shift.dtype is dtype else shift.to(dtype))
     if _dispatch.route(x) is None:
         b, s, d = x.shape
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
+        signature = (x2.shape, x2.stride(0), x2.dtype, x2.get_device(), b, dtype, training)
+        hit = _forward_plans.get(signature)
+        if hit is not None:
+            _cache.plans.count_hit()
+            return hit[0](x2, b, gain, shift, eps, training, hit[1])
         for name in _FORWARD_ORDER[_forward_strategy(b, s, d, x.dtype)]:
-            out = _FORWARDS[name](x2, b, gain, shift, eps, training)
-            if out is not None:
-                return out
+            find_plan, run = _FORWARDS[name]
+            plan = find_plan(x2, b, dtype, training)
+            if plan is not None:
+                _forward_plans.put(signature, (run, plan))
+                return run(x2, b, gain, shift, eps, training, plan)
     return _torch_forward(x, gain, shift, eps, training)
 
 
@@ -172,34 +181,43 @@ def _torch_forward(x, gain, shift, eps, training):
     return (y, mean.view(b * s), rstd.view(b * s)) if training else (y, None, None)
 
 
-def _fwd_cudnn(x2, b, gain, shift, eps, training):
+# Each forward strategy is a pair: ``find_plan(x2, b, dtype, training)`` returns the plan that
+# serves ``x2: [B*S, D]`` with gain/shift of ``dtype`` (``None``: it cannot), and
+# ``run(x2, b, gain, shift, eps, training, plan)`` launches it.
+
+def _cudnn_plan(x2, b, dtype, training):
+    return _dispatch.get_plan(_dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype,
+                                                 x2.device.index, batch=b))
+
+
+def _run_cudnn(x2, b, gain, shift, eps, training, plan):
     rows, d = x2.shape
     device = x2.device
-    spec = _dispatch.spec_for(_OP, "train" if training else "infer", x2, gain.dtype, device.index, batch=b)
-    plan = _dispatch.get_plan(spec)
-    if plan is None:
-        return None
+    eps_t = host_scalar(eps, plan.spec)
     y = torch.empty((b, rows // b, d), dtype=x2.dtype, device=device)
     if not training:
-        plan.run(x2, gain, shift, host_scalar(eps, spec), y)
+        plan.run(x2, gain, shift, eps_t, y)
         return y, None, None
     mean = torch.empty(rows, dtype=_F32, device=device)
     rstd = torch.empty(rows, dtype=_F32, device=device)
-    plan.run(x2, gain, shift, host_scalar(eps, spec), y, mean, rstd)
+    plan.run(x2, gain, shift, eps_t, y, mean, rstd)
     return y, mean, rstd
 
 
-def _fwd_per_sample(x2, b, gain, shift, eps, training):
+def _per_sample_fwd_plan(x2, b, dtype, training):
     rows, d = x2.shape
     s = rows // b
-    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), gain.element_size()):
+    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), dtype.itemsize):
         return None
+    return _dispatch.get_plan(_dispatch.spec_for("layer_norm", "train" if training else "infer", x2[:s], dtype,
+                                                 x2.device.index))
+
+
+def _run_per_sample(x2, b, gain, shift, eps, training, plan):
+    rows, d = x2.shape
+    s = rows // b
     xs = x2.unflatten(0, (b, s))
-    spec = _dispatch.spec_for("layer_norm", "train" if training else "infer", xs[0], gain.dtype, x2.device.index)
-    plan = _dispatch.get_plan(spec)
-    if plan is None:
-        return None
-    eps_t = host_scalar(eps, spec)
+    eps_t = host_scalar(eps, plan.spec)
     y = torch.empty((b, s, d), dtype=x2.dtype, device=x2.device)
     if not training:
         for xb, gb, sb, yb in zip(xs.unbind(0), gain.unbind(0), shift.unbind(0), y.unbind(0)):
@@ -212,7 +230,8 @@ def _fwd_per_sample(x2, b, gain, shift, eps, training):
     return y, mean.reshape(rows), rstd.reshape(rows)  # a copy only when S % 4 padded them
 
 
-_FORWARDS = {"cudnn": _fwd_cudnn, "per_sample": _fwd_per_sample}
+_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample)}
+_forward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
 
 
 # ---------------------------------------------------------------- backward

@@ -191,6 +191,36 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
                                    rtol=1.6e-2)
 
 
+def test_repeated_forward_signature_reuses_the_plan(monkeypatch, fresh_cache, tmp_path):
+    """A forward repeating an earlier call's signature skips strategy and plan lookup (and
+    counts a cache hit); another signature, or a recording of specs, takes the full path."""
+    looked_up = []
+
+    def fake_get_plan(spec):
+        looked_up.append(spec)
+        return _FakePlan(spec)
+
+    monkeypatch.setattr(ada._dispatch, "route", lambda x: None)
+    monkeypatch.setattr(ada._dispatch, "get_plan", fake_get_plan)
+    x, scale, shift = _inputs((2, 8, 32), torch.bfloat16, torch.float32, True)
+    with torch.no_grad():
+        first = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
+        hits = cudnorm.cache_info().hits
+        again = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
+        assert len(looked_up) == 1 and cudnorm.cache_info().hits == hits + 1
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        other = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=False)  # same signature, other gain
+        torch.testing.assert_close(other, ada._eager_formula(x, scale, shift, 1e-6, False), atol=3e-2, rtol=2e-2)
+        assert len(looked_up) == 1
+        cudnorm.ada_layer_norm(x[:, :4], scale, shift)  # another row count
+        assert [spec.rows for spec in looked_up] == [16, 8]
+        with pytest.warns(RuntimeWarning), cudnorm.record_specs(tmp_path / "specs.json"):
+            cudnorm.ada_layer_norm(x, scale, shift)  # (the fake get_plan records nothing)
+        assert len(looked_up) == 3 and looked_up[-1] == looked_up[0]
+    y = cudnorm.ada_layer_norm(x.requires_grad_(), scale, shift)  # training: its own signature
+    assert len(looked_up) == 4 and looked_up[-1].phase == "train" and y.requires_grad
+
+
 def test_per_sample_declines_misaligned_samples():
     assert not ada._per_sample_fits(3, 30, 30, 2)  # a sample is 3 * 30 * 2 = 180 bytes
     assert not ada._per_sample_fits(1, 16, 12, 2)  # padded rows: x's sample block is 32 bytes, y's 24

@@ -91,7 +91,7 @@ def test_clear_cache_and_settings_reload_empty_the_memo(recording, cudnorm_env):
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     _ln(x)
     cudnorm.clear_cache()
-    assert _call_plans._memo == {}
+    assert _call_plans._norm_calls.entries == {}
     _ln(x)
     assert len(recording) == 2
     cudnorm_env("CUDNORM_CACHE_SIZE", "100")  # any reload makes a new settings object
@@ -114,5 +114,5 @@ def test_chunked_calls_are_not_memoised(recording, cudnorm_env, monkeypatch):
     _ln(x)
     _ln(x)
     assert len([s for s in recording if s.rows == 12]) == 2  # the row policy saw both calls
-    assert _call_plans._memo == {}
+    assert _call_plans._norm_calls.entries == {}
     assert cudnorm.cache_info().chunked_calls == 2
