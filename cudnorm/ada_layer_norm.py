@@ -287,10 +287,15 @@ def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
 def _per_sample_bwd_spec(sample: torch.Tensor, device_index: int) -> NormSpec:
     """The spec of the per-sample LayerNorm backward (fp32 weight) for ``sample: [S, D]``,
     the view of one sample's rows (real or meta)."""
-    # Not autotuned by default (as for every backward): at 16x4096x3072 the tuned plan gave
-    # 0.477 ms in one process and 0.535 in another (untuned: 0.539), because candidates are
-    # timed back to back without flushing L2 (benchmarks/results/nvidia-h200/README.md).
-    return _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
+    # Autotuned in "auto" mode from 2**22 elements per sample, unlike the other backwards: the
+    # per-sample launches are short, and the plan the heuristics rank first was measured
+    # 4-16% slower there (H200, L2 flushed: 4096x3072 0.0313 vs >= 0.0327 ms, 4096x1152
+    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.log).
+    spec = _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
+    if not spec.autotune and _settings.current.autotune == "auto" \
+            and spec.rows * spec.cols >= _dispatch.AUTOTUNE_MIN_ELEMENTS:
+        spec = spec._replace(autotune=True)
+    return spec
 
 
 def _per_sample_plan(x2, b):
