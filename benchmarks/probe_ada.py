@@ -62,7 +62,7 @@ def formula(x, scale, shift):
     return F.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
 
 
-def probe(shape) -> None:
+def probe(shape, names=("cudnorm", "compile")) -> None:
     b, s, d = shape
     torch.manual_seed(0)
     x = torch.randn(b, s, d, device="cuda", dtype=torch.bfloat16)
@@ -72,6 +72,7 @@ def probe(shape) -> None:
     leaves = [t.clone().requires_grad_(True) for t in (x, scale, shift)]
     providers = {"cudnorm": functools.partial(cudnorm.ada_layer_norm, eps=1e-6, one_plus_scale=True),
                  "compile": torch.compile(formula, fullgraph=True, dynamic=False)}
+    providers = {name: providers[name] for name in names}
     print(f"{b}x{s}x{d}: {'':10s} {'bench ms':>9} {'host ms':>9} {'gpu ms':>9}")
     for name, fn in providers.items():
         def infer(fn=fn):
@@ -127,6 +128,7 @@ def profile_backward(shape, calls: int = 200) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    parser.add_argument("--providers", default="cudnorm,compile")
     parser.add_argument("--profile", action="store_true", help="cProfile cudnorm's backward at each shape instead")
     args = parser.parse_args()
     if args.profile:
@@ -138,7 +140,7 @@ def main() -> None:
     torch._functorch.config.donated_buffer = False
     print(f"device {torch.cuda.get_device_name()}")
     for text in args.shapes.split(","):
-        probe(tuple(int(v) for v in text.split("x")))
+        probe(tuple(int(v) for v in text.split("x")), args.providers.split(","))
 
 
 if __name__ == "__main__":
