@@ -29,6 +29,13 @@ AUTOTUNE_MIN_ELEMENTS = 1 << 22
 # and gained 1.22x on RMSNorm (3147 -> 3839 GB/s, H200); at 2**31 (16384 x 131072,
 # 8192 x 262144) it took 36-103 s per graph for <= 1.01x, so those keep the first plan.
 AUTOTUNE_MAX_ELEMENTS = 1 << 30
+# Forwards with at least this many columns run PyTorch's fused kernel instead of cuDNN's graph
+# (issue 4 allows a PyTorch kernel where it is measured faster). H200, bf16 x, fp32 weights
+# rounded to bf16, ``cudnorm bench`` session 6 (benchmarks/results/nvidia-h200/bench.csv):
+# at 8192 x 262144 the LayerNorm forward took 12.8 ms on cuDNN's plan (16% of copy; probe_plans
+# found no better plan) against 3.9 ms for PyTorch's kernel, the RMSNorm forward 3.8 vs 3.3 ms.
+# At 16384 x 131072 cuDNN was faster for both (3240 vs 2294 and 3857 vs 2636 GB/s).
+NATIVE_FORWARD_MIN_COLS = 1 << 18
 _F32 = torch.float32
 _new_tuple = tuple.__new__
 
@@ -61,6 +68,12 @@ def spec_for(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype, dev
     # tuple.__new__ skips NormSpec.__new__'s defaults handling: this runs on every call
     return _new_tuple(NormSpec, (op, phase, rows, cols, x.dtype, scale_dtype, device_index, x.stride(0), batch,
                                  autotune_wanted(op, phase, rows, cols), False))
+
+
+def native_forward(x: torch.Tensor) -> bool:
+    """Whether the forward of ``x: [M, N]`` runs PyTorch's fused kernel (measured faster than
+    cuDNN from :data:`NATIVE_FORWARD_MIN_COLS` columns); the backward stays on cuDNN."""
+    return x.shape[-1] >= NATIVE_FORWARD_MIN_COLS
 
 
 def fp32_weight_mode() -> str:

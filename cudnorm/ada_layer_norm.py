@@ -290,7 +290,7 @@ def _per_sample_bwd_spec(sample: torch.Tensor, device_index: int) -> NormSpec:
     # Autotuned in "auto" mode from 2**22 elements per sample, unlike the other backwards: the
     # per-sample launches are short, and the plan the heuristics rank first was measured
     # 4-16% slower there (H200, L2 flushed: 4096x3072 0.0313 vs >= 0.0327 ms, 4096x1152
-    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.log).
+    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.txt).
     spec = _dispatch.spec_for("layer_norm", "bwd", sample, _F32, device_index)
     if not spec.autotune and _settings.current.autotune == "auto" \
             and spec.rows * spec.cols >= _dispatch.AUTOTUNE_MIN_ELEMENTS:

@@ -31,13 +31,27 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     Returns ``(y [M, N] x.dtype, mean [M] fp32, rstd [M] fp32)``; with ``training=False``
     the inference graph runs and ``mean``/``rstd`` are empty.
     """
-    out = _cudnn_forward(x, weight, bias, eps, training) if _dispatch.route(x) is None else None
+    out = _gpu_forward(x, weight, bias, eps, training) if _dispatch.route(x) is None else None
     if out is None:
         return _torch_forward(x, weight, bias, eps, training)
     y, mean, rstd = out
     if not training:
         mean, rstd = x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
     return y, mean, rstd
+
+
+def _gpu_forward(x, weight, bias, eps, training):
+    """``(y, mean, rstd)`` (stats ``None`` when not training) from PyTorch's fused kernel where
+    it was measured faster (:func:`cudnorm._dispatch.native_forward`), else from cuDNN's
+    graph; ``None`` when cuDNN declines."""
+    if not _dispatch.native_forward(x):
+        return _cudnn_forward(x, weight, bias, eps, training)
+    scale, shift, _ = _dispatch.forward_params(x, weight, bias, has_bias=True)  # rounded as for cuDNN
+    y, mean, rstd = torch.native_layer_norm(x, [x.shape[1]], scale, shift, eps)
+    if not training:
+        return y, None, None
+    # fp32 statistics on CUDA already (the CPU kernel keeps x's dtype; tests run it there)
+    return y, mean.view(-1).float(), rstd.view(-1).float()
 
 
 def _cudnn_forward(x, weight, bias, eps, training):
@@ -60,7 +74,7 @@ def _cudnn_forward(x, weight, bias, eps, training):
 
 def _infer(x, weight, bias, eps) -> torch.Tensor:
     """Eager inference: ``y`` only (no empty statistics tensors to allocate)."""
-    out = _cudnn_forward(x, weight, bias, eps, False) if _dispatch.route(x) is None else None
+    out = _gpu_forward(x, weight, bias, eps, False) if _dispatch.route(x) is None else None
     return out[0] if out is not None else _torch_forward(x, weight, bias, eps, False)[0]
 
 

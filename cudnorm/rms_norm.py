@@ -28,11 +28,22 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
     Returns ``(y [M, N] x.dtype, rstd [M] fp32)``; ``rstd`` is empty with ``training=False``.
     """
-    out = _cudnn_forward(x, weight, eps, training) if _dispatch.route(x) is None else None
+    out = _gpu_forward(x, weight, eps, training) if _dispatch.route(x) is None else None
     if out is None:
         return _torch_forward(x, weight, eps, training)
     y, rstd = out
     return y, rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
+
+
+def _gpu_forward(x, weight, eps, training):
+    """``(y, rstd)`` (``rstd`` ``None`` when not training) from PyTorch's fused kernel where it
+    was measured faster (:func:`cudnorm._dispatch.native_forward`), else from cuDNN's graph;
+    ``None`` when cuDNN declines."""
+    if not _dispatch.native_forward(x):
+        return _cudnn_forward(x, weight, eps, training)
+    scale, _, _ = _dispatch.forward_params(x, weight, None, has_bias=False)  # rounded as for cuDNN
+    y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[1]], scale, eps)
+    return (y, rstd.view(-1).float()) if training else (y, None)
 
 
 def _cudnn_forward(x, weight, eps, training):
@@ -53,7 +64,7 @@ def _cudnn_forward(x, weight, eps, training):
 
 def _infer(x, weight, eps) -> torch.Tensor:
     """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
-    out = _cudnn_forward(x, weight, eps, False) if _dispatch.route(x) is None else None
+    out = _gpu_forward(x, weight, eps, False) if _dispatch.route(x) is None else None
     return out[0] if out is not None else _torch_forward(x, weight, eps, False)[0]
 
 

@@ -7,6 +7,7 @@ On the CPU, CPU tensors are routed to the "cuDNN" branch and every build returns
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cudnorm
 from cudnorm import _cache, _call_plans, _dispatch, _graphs, _rows
@@ -116,3 +117,35 @@ def test_chunked_calls_are_not_memoised(recording, cudnorm_env, monkeypatch):
     assert len([s for s in recording if s.rows == 12]) == 2  # the row policy saw both calls
     assert _call_plans._norm_calls.entries == {}
     assert cudnorm.cache_info().chunked_calls == 2
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_wide_forwards_run_pytorchs_kernel_and_backward_stays_on_cudnn(op, recording, monkeypatch):
+    """From ``NATIVE_FORWARD_MIN_COLS`` columns the forward runs PyTorch's fused kernel (with
+    fp32 weights rounded as for cuDNN) and asks for no forward graph; the backward still
+    runs the cuDNN graph, fed the statistics PyTorch's kernel saved."""
+    monkeypatch.setattr(_dispatch, "NATIVE_FORWARD_MIN_COLS", 64)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    call = (lambda: cudnorm.layer_norm(x, (64,), w, b)) if op == "layer_norm" else (lambda: cudnorm.rms_norm(x, (64,), w, 1e-6))
+    with torch.no_grad():
+        y_infer = call()
+    y = call()
+    assert recording == []  # no forward graph requested
+    wb = w.to(torch.bfloat16).float()
+    if op == "layer_norm":
+        expected = F.layer_norm(x.float(), (64,), wb, b.to(torch.bfloat16).float())
+    else:
+        expected = x.float() * torch.rsqrt(x.float().square().mean(1, keepdim=True) + 1e-6) * wb
+    for out in (y, y_infer):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
+    ctx = y.grad_fn
+    stats = ctx.saved_tensors[2:]  # LayerNorm (x, w, mean, rstd), RMSNorm (x, w, rstd)
+    assert all(s.shape == (8,) and s.dtype == torch.float32 for s in stats)
+    torch.testing.assert_close(stats[-1], torch.rsqrt(
+        (x.float().var(1, unbiased=False) if op == "layer_norm" else x.float().square().mean(1))
+        + (1e-5 if op == "layer_norm" else 1e-6)), rtol=8e-3, atol=0)  # CPU LayerNorm: bf16 statistics
+    y.backward(torch.ones_like(y))
+    assert [(s.op, s.phase) for s in recording] == [(op, "bwd")]
+    assert _cache.plans.lookup(recording[0]).launches[0]["rstd"] is stats[-1]

@@ -64,6 +64,19 @@ def test_accuracy_fp32_weights_2d(n, dtype):
     _check_rms(x, w)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wide_rows_forward_on_pytorchs_kernel_backward_on_cudnn(dtype, fresh_cache):
+    """N >= NATIVE_FORWARD_MIN_COLS: the forward runs PyTorch's fused kernel (measured faster),
+    the backward cuDNN's graph on that kernel's statistics; both within the 2x rule."""
+    n = cudnorm._dispatch.NATIVE_FORWARD_MIN_COLS
+    x = torch.randn(8, n, device="cuda").to(dtype)
+    w, b = _weights(n, "fp32", dtype)
+    _check_ln(x, w, b)
+    _check_rms(x, w)
+    built = {(s.op, s.phase) for s in _cache.plans.specs() if s.cols == n}
+    assert built == {("layer_norm", "bwd"), ("rms_norm", "bwd")}
+
+
 @pytest.mark.parametrize("n", [1000, 4096])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["same", "none"])

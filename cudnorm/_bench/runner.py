@@ -159,6 +159,8 @@ def _cudnorm_state(op: str, inp: Inputs, before) -> dict:
     path = cudnorm.serving_path(name, inp.x)
     if after.declined > before.declined:
         path = "torch (cuDNN declined)"
+    elif path == "cudnn" and op.endswith("_fwd") and name != "ada_layer_norm" and _dispatch.native_forward(inp.x):
+        path = "torch (faster at this N)"
     phase = "bwd" if op.endswith("_bwd") else "train"
     rows = inp.x.numel() // inp.cols
     specs = [s for s in _cache.plans.specs()
