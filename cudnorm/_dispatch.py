@@ -52,7 +52,10 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
     """Whether a new graph for this call should be autotuned (``CUDNORM_AUTOTUNE``)."""
     mode = _settings.current.autotune
     if mode == "auto":
-        return phase != "bwd" and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS
+        # Not cuDNN's AdaLN forward graph: with every plan timed, its first plan was the fastest
+        # at three DiT shapes (probe_plans_s5.txt), and one tuning at 16x4096x3072 picked a plan
+        # 14% slower (0.308 vs 0.270 ms, probe_ada_tuning_ab.txt; H200)
+        return phase != "bwd" and op != "ada_layer_norm" and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS
     return mode == "on"
 
 
