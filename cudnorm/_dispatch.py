@@ -55,7 +55,8 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
         # Not cuDNN's AdaLN forward graph: with every plan timed, its first plan was the fastest
         # at three DiT shapes (probe_plans_s5.txt), and one tuning at 16x4096x3072 picked a plan
         # 14% slower (0.308 vs 0.270 ms, probe_ada_tuning_ab.txt; H200)
-        return phase != "bwd" and op != "ada_layer_norm" and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS
+        return (phase != "bwd" and op != "ada_layer_norm"
+                and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS)
     return mode == "on"
 
 
