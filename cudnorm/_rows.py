@@ -164,8 +164,9 @@ def decompose(rows: int, sizes: tuple[int, ...], *, any_size_overlap: bool = Fal
     listed *first*, whose first ``overlap`` rows belong to later chunks too (they rewrite
     them); every other row is in exactly one chunk, and ``overlap`` is 0 when nothing is
     left over. That chunk has the smallest size, or with ``any_size_overlap`` the first size
-    (largest first) whose chunk the left-over rows fill at least half of, which replaces
-    several smaller launches by one.
+    (largest first) that is at most ``rows`` and whose chunk the left-over rows fill at
+    least half of, which replaces several smaller launches by one. Every chunk lies in
+    ``[0, rows)``.
     """
     smallest = min(sizes)
     if rows < smallest:
@@ -176,7 +177,9 @@ def decompose(rows: int, sizes: tuple[int, ...], *, any_size_overlap: bool = Fal
             chunks.append((start, size))
             start += size
         left = rows - start
-        if left and (size == smallest or (any_size_overlap and 2 * left >= size)):
+        # the overlapping chunk ends at ``rows``, so it must fit in [0, rows): a larger one
+        # would start before row 0 and its launch would read and write outside the buffers
+        if left and size <= rows and (size == smallest or (any_size_overlap and 2 * left >= size)):
             chunks.insert(0, (rows - size, size))
             return chunks, size - left
     return chunks, 0

@@ -119,17 +119,20 @@ def _spec(op, phase, rows, cols=16, dtype=torch.float32):
     return NormSpec(op, phase, rows, cols, dtype, torch.float32 if phase == "bwd" else dtype, 0)
 
 
-@pytest.mark.parametrize("rows", [4, 8, 11, 32, 33, 45, 64, 71, 100])
-def test_decompose_covers_rows_once_except_documented_overlap(rows):
+@pytest.mark.parametrize("any_size_overlap", [False, True])
+@pytest.mark.parametrize("rows", [4, 5, 7, 8, 11, 17, 20, 31, 32, 33, 45, 64, 71, 100])
+def test_decompose_covers_rows_once_except_documented_overlap(rows, any_size_overlap):
     sizes = (32, 8, 4)
-    chunks, overlap = _rows.decompose(rows, sizes)
+    chunks, overlap = _rows.decompose(rows, sizes, any_size_overlap=any_size_overlap)
     covered = torch.zeros(rows, dtype=torch.int64)
     for start, size in chunks:
-        assert size in sizes and 0 <= start and start + size <= rows
+        # no chunk may start before row 0 or end past the last row: its launch would touch
+        # memory outside the caller's buffers (17 and 20 rows once got a 32-row chunk at -15/-12)
+        assert size in sizes and 0 <= start and start + size <= rows, (start, size)
         covered[start:start + size] += 1
     if overlap:
         start, size = chunks[0]  # the remainder comes first and ends at the last row
-        assert size == min(sizes) and start + size == rows
+        assert start + size == rows and (any_size_overlap or size == min(sizes))
         assert covered[start:start + overlap].eq(2).all()
         covered[start:start + overlap] -= 1
     assert covered.eq(1).all()
