@@ -472,7 +472,8 @@ def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized
     of a 0.1-1.4 s build). Raises if the blob does not load on this device/library."""
     cudnn = _runtime.cudnn_module()
     start = time.perf_counter()
-    with torch.cuda.device(spec.device_index), _runtime.handle_on_side_stream(spec.device_index) as h:
+    with torch.cuda.device(spec.device_index):
+        h = _runtime.handle(spec.device_index)
         g = cudnn.pygraph(handle=h)
         g.deserialize(h, blob)
         workspace = int(g.get_workspace_size())

@@ -12,7 +12,6 @@ Set ``CUDNORM_DISABLE_CUDNN=1`` to force PyTorch's kernels everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from dataclasses import dataclass
@@ -115,7 +114,7 @@ def torch_to_cudnn_dtype(dtype: torch.dtype):
 
 class _Handles(threading.local):
     """Per-thread ``{device_index: [handle, stream the handle is bound to, {stream: workspace},
-    {(stream, n, dtype): rounding rows}, {"side": stream for plan loads}]}``."""
+    {(stream, n, dtype): rounding rows}]}``."""
 
     def __init__(self) -> None:
         self.by_device: dict[int, list] = {}
@@ -140,35 +139,12 @@ def _bound_entry(device_index: int) -> list:
     entry = _handles.by_device.get(device_index)
     if entry is None:
         with torch.cuda.device(device_index):
-            entry = [cudnn_module().create_handle(), None, {}, {}, {}]
+            entry = [cudnn_module().create_handle(), None, {}, {}]
         _handles.by_device[device_index] = entry
     if entry[1] != stream:
         cudnn_module().set_stream(handle=entry[0], stream=stream)
         entry[1] = stream
     return entry
-
-
-@contextlib.contextmanager
-def handle_on_side_stream(device_index: int):
-    """This thread's handle for ``device_index``, bound for the ``with`` block to a stream of
-    its own (made once per thread and device) instead of the caller's.
-
-    For loading serialized plans: cuDNN's ``deserialize`` runs a warm-up capture on the
-    handle's stream and, when that is the default stream, creates and destroys a stream
-    around it. On a side stream the first load of a process took 44-45 ms instead of
-    56-64 ms, and later loads 3-9 ms less (H200, ``benchmarks/probe_session7.py deser``).
-    The next :func:`handle` call binds the caller's stream again.
-    """
-    entry = _bound_entry(device_index)
-    side = entry[4].get("side")
-    if side is None:
-        side = entry[4]["side"] = torch.cuda.Stream(device=torch.device("cuda", device_index))
-    cudnn_module().set_stream(handle=entry[0], stream=side.cuda_stream)
-    entry[1] = side.cuda_stream
-    try:
-        yield entry[0]
-    finally:
-        _bound_entry(device_index)
 
 
 def handle(device_index: int):

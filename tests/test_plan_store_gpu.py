@@ -120,25 +120,3 @@ def test_corrupt_entry_is_rebuilt_with_a_warning(tmp_path):
         assert torch.equal(tensor, again["tensors"][name]), name
     third = _run(store, tmp_path / "third", CUDNORM_AUTOTUNE="0")
     assert third["builds"] == 0 and "cudnorm plan store" not in third["stderr"]
-
-
-def test_loaded_plan_runs_on_the_callers_stream_after_loading_on_a_side_stream():
-    """Plans are deserialized with the handle on a side stream (cheaper warm-up capture);
-    afterwards the handle is bound to the caller's stream again and the loaded plan gives
-    the built plan's results there."""
-    from cudnorm import _graphs, _runtime
-    from cudnorm._spec import NormSpec
-
-    spec = NormSpec("layer_norm", "train", 512, 1024, torch.bfloat16, torch.bfloat16, 0)
-    built = _graphs.build_plan(spec)
-    blob = _graphs.serialize_plan(built)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        loaded = _graphs.deserialize_plan(spec, blob)
-        assert _runtime._handles.by_device[0][1] == stream.cuda_stream
-        expected, got = _graphs.dummy_buffers(spec), _graphs.dummy_buffers(spec)
-        built.run(*expected)
-        loaded.run(*got)
-    stream.synchronize()
-    for a, b in zip(expected, got):
-        assert torch.equal(a.cpu(), b.cpu())
