@@ -49,29 +49,20 @@ def staged_build(spec: NormSpec, engine=None):
     """(graph, uids, {stage: seconds}) for ``spec``: heuristics when ``engine`` is None,
     else ``create_execution_plan(*engine)``."""
     h = _runtime.handle(0)
-    t = {}
     start = time.perf_counter()
     g, uids = _graphs.build_ir(spec, handle=h, kernel_cache=_graphs._kernel_cache(spec) if spec.dynamic else None)
-    g.validate()
-    t["validate"] = time.perf_counter() - start
-    mark = time.perf_counter()
-    g.build_operation_graph()
-    t["opgraph"] = time.perf_counter() - mark
-    mark = time.perf_counter()
     if engine is None:
-        g.create_execution_plans(_graphs._heuristic_modes(False))
+        plans, finalise = (lambda: g.create_execution_plans(_graphs._heuristic_modes(False))), g.build_plans
     else:
-        g.create_execution_plan(engine[0], engine[1])
-    t["plans"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    g.check_support()
-    t["support"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    if engine is None:
-        g.build_plans()
-    else:
-        g.build_plan_at_index(g.get_execution_plan_count() - 1)
-    t["finalise"] = time.perf_counter() - mark
+        plans = lambda: g.create_execution_plan(engine[0], engine[1])  # noqa: E731
+        finalise = lambda: g.build_plan_at_index(g.get_execution_plan_count() - 1)  # noqa: E731
+    t = {}
+    stages = (("validate", g.validate), ("opgraph", g.build_operation_graph), ("plans", plans),
+              ("support", g.check_support), ("finalise", finalise))
+    for name, stage in stages:
+        mark = time.perf_counter()
+        stage()
+        t[name] = time.perf_counter() - mark
     t["total"] = time.perf_counter() - start
     return g, uids, t
 
