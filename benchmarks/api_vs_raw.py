@@ -9,6 +9,12 @@ For LN/RMS forward (training) and backward at M=32768, N in {1024, 4096, 16384},
     graph that reads an fp32 scale ("native")
 Then autotune gain/cost and host microseconds per call at (64, 4096).
 
+``--parts torch`` measures the same ratio for PyTorch's own LayerNorm (bf16 weights): its
+public API (``F.layer_norm``; backward through ``autograd.grad`` of one call and of an
+8-layer chain) against its ATen kernels called directly (``native_layer_norm`` /
+``native_layer_norm_backward`` on preallocated inputs): the ceiling any op that goes through
+torch's dispatcher and autograd engine meets on this host.
+
 Run: PYTHONPATH=. python benchmarks/api_vs_raw.py [--out DIR]   (GPU only)
 """
 
@@ -128,6 +134,50 @@ def run_api_vs_raw(rows, copy):
             torch.cuda.empty_cache()
 
 
+def run_torch_ceiling(rows, copy):
+    """PyTorch's LayerNorm: public API vs its own kernels, timed as :func:`run_api_vs_raw` times ours."""
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+    for n in SIZES:
+        x = torch.randn(M, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
+        xd = x.detach()
+        _, mean, rstd = aten.native_layer_norm(xd, [n], w.detach(), b.detach(), 1e-5)
+        y = F.layer_norm(x, (n,), w, b)
+        chain = x
+        ws = [torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(CHAIN)]
+        for wk in ws:
+            chain = F.layer_norm(chain, (n,), wk, b)
+        chain_params = [x, b, *ws]
+        cases = (
+            ("fwd", "single call", lambda: F.layer_norm(x, (n,), w, b),
+             lambda: aten.native_layer_norm(xd, [n], w.detach(), b.detach(), 1e-5), 1),
+            ("bwd", "single autograd.grad", lambda: torch.autograd.grad(y, [x, w, b], dy, retain_graph=True),
+             lambda: aten.native_layer_norm_backward(dy, xd, [n], mean, rstd, w.detach(), b.detach(),
+                                                     [True, True, True]), 1),
+            ("bwd", f"{CHAIN}-layer chain, one autograd.grad",
+             lambda: torch.autograd.grad(chain, chain_params, dy, retain_graph=True),
+             lambda: aten.native_layer_norm_backward(dy, xd, [n], mean, rstd, w.detach(), b.detach(),
+                                                     [True, True, True]), CHAIN),
+        )
+        for direction, how, api, raw, layers in cases:
+            samples = {"api": [], "raw": []}
+            for _ in range(ROUNDS):
+                samples["api"].append(bench_ms(api))
+                samples["raw"].append(bench_ms(raw))
+            api_ms, raw_ms = (sorted(t)[len(t) // 2] for t in samples.values())
+            api_ms /= layers
+            nb = nbytes("layer_norm", direction, n)
+            rows.append(dict(test="torch_ceiling", op="torch layer_norm (bf16 w)", direction=direction, N=n, how=how,
+                             api_ms=api_ms, raw_ms=raw_ms, api_GBps=nb / api_ms * 1e-6, raw_GBps=nb / raw_ms * 1e-6,
+                             api_over_raw=raw_ms / api_ms, pct_copy=100 * nb / api_ms * 1e-6 / copy))
+        del x, w, b, dy, y, chain, ws
+        torch.cuda.empty_cache()
+
+
 def run_fp32_weight_modes(rows):
     """The fp32-weight forward through the API in each ``CUDNORM_FP32_WEIGHT_FWD`` mode. Settings
     are read at import, so each mode reloads them (without the reload every mode ran ``round``)."""
@@ -214,7 +264,8 @@ def main():
     rows: list[dict] = []
     parts = args.parts.split(",")
     for name, fn in (("api", lambda: run_api_vs_raw(rows, copy)), ("fp32", lambda: run_fp32_weight_modes(rows)),
-                     ("autotune", lambda: run_autotune(rows)), ("host", lambda: run_host_overhead(rows))):
+                     ("autotune", lambda: run_autotune(rows)), ("host", lambda: run_host_overhead(rows)),
+                     ("torch", lambda: run_torch_ceiling(rows, copy))):
         if name in parts:
             start = time.perf_counter()
             fn()

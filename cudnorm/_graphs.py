@@ -273,6 +273,15 @@ class Plan:
         else:
             self._execute_public(buffers, workspace, h)
 
+    def run_with_workspace(self, workspace: torch.Tensor | None, *buffers: torch.Tensor) -> None:
+        """:meth:`run` with a caller-owned workspace (at least :attr:`workspace_size` bytes;
+        ``None`` when that is 0): launches on several streams at once need one each."""
+        h = _runtime.handle(self.spec.device_index)
+        if self.raw is not None:
+            self.raw(buffers, workspace, h)
+        else:
+            self._execute_public(buffers, workspace, h)
+
     def run_pointers(self, pointers: list[int]) -> None:
         """:meth:`run` with addresses instead of tensors (only when :attr:`raw` is set)."""
         h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)

@@ -1,8 +1,9 @@
 """Variable row counts: a few shared row-chunk graphs instead of one graph per row count.
 
 A cuDNN norm graph is built for one row count ``M`` (0.25-0.3 s for a LayerNorm forward,
-0.75-1.1 s for a backward at N = 4096 on cuDNN 9.19), and execute-time shape overrides need
-cuDNN >= 9.21. A run over many distinct ``M`` would spend its time building. So, per norm
+0.75-1.1 s for a backward at N = 4096 on cuDNN 9.19), and no cuDNN release (9.28 tried) offers
+an engine for a norm graph with execute-time shape overrides. A run over many distinct ``M``
+would spend its time building. So, per norm
 *family* (a spec without its row count):
 
 * a row count gets exact graphs once it has been asked for ``CUDNORM_EXACT_AFTER`` times

@@ -128,6 +128,11 @@ _MAX_STREAMS_WITH_WORKSPACE = 16
 _U8 = torch.uint8
 
 
+def capturing() -> bool:
+    """Whether torch's current stream is being captured into a CUDA graph."""
+    return bool(_capturing())
+
+
 def current_stream_ptr(device_index: int) -> int:
     if _raw_current_stream is not None:
         return int(_raw_current_stream(device_index))

@@ -17,6 +17,8 @@ Forward strategies (:data:`FORWARD_RULES`, ``CUDNORM_ADA_FWD`` forces one):
 * ``cudnn``: cuDNN's adalayernorm forward graph, one launch.
 * ``per_sample``: the plain LayerNorm forward graph (``S`` rows, autotuned for large
   samples) launched once per sample with weight ``gain[b]`` and bias ``shift[b]``.
+* ``per_sample_graph``: those launches captured once into a CUDA graph and replayed, spread
+  over ``CUDNORM_ADA_BRANCHES`` streams (see :class:`_CapturedLaunches`).
 * ``torch``: PyTorch's kernels in fp32 (also the CPU path).
 
 Backward strategies (:data:`BACKWARD_RULES`, ``CUDNORM_ADA_BWD`` forces one):
@@ -24,8 +26,8 @@ Backward strategies (:data:`BACKWARD_RULES`, ``CUDNORM_ADA_BWD`` forces one):
 * ``cudnn``: cuDNN's adalayernorm backward graph (slow in 9.19 for many short samples).
 * ``per_sample``: the plain LayerNorm backward graph run once per sample with the fp32
   gain as its weight; its dW/dB are that sample's dscale/dshift.
-* ``per_sample_graph``: the same launches captured once into a CUDA graph and replayed
-  (see :class:`_CapturedLaunches`).
+* ``per_sample_graph``: the same launches captured once into a CUDA graph and replayed,
+  spread over ``CUDNORM_ADA_BRANCHES`` streams (see :class:`_CapturedLaunches`).
 * ``torch``: the fp32 PyTorch formula.
 
 A strategy that cannot serve a call (an unaligned layout, a declined graph, an outer CUDA
@@ -36,6 +38,7 @@ so forcing one changes speed, never the function computed.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -51,22 +54,29 @@ from ._spec import NormSpec
 _OP = "ada_layer_norm"
 _EMPTY = (0,)
 _F32 = torch.float32
-FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
+FORWARD_STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")
 STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")  # backward
 
 # (rule(b, s, d, dtype), strategy) rows, first match wins.
 # Measured on the H200 (benchmarks/results/nvidia-h200/ada_strategies.csv, bf16, the five
-# DiT shapes of issue 3): the one-launch cuDNN forward was fastest at every shape (the
-# per-sample forward lost 1.2-25x); the captured per-sample backward was fastest at every
-# shape (1.2-12x over cuDNN's AdaLN backward, 1.2-4.3x over the uncaptured launches).
+# DiT shapes of issue 3): the captured per-sample backward was fastest at every shape
+# (1.2-12x over cuDNN's AdaLN backward, 1.2-4.3x over the uncaptured launches). Forward: the
+# one-launch cuDNN graph, except for samples of at least PER_SAMPLE_FORWARD_MIN elements,
+# where the captured per-sample forward spread over 4 streams took 0.211 / 0.230 ms of GPU
+# time (inference / training) at 16x4096x3072 against 0.264-0.270 for the best cuDNN AdaLN
+# plan; at 8x4096x1152 (4.7M per sample) it took 0.053 against 0.044 (ada_branches.csv,
+# probe_plans_s5.txt).
+PER_SAMPLE_FORWARD_MIN = 1 << 23
 FORWARD_RULES = (
+    (lambda b, s, d, dtype: b > 1 and s * d >= PER_SAMPLE_FORWARD_MIN, "per_sample_graph"),
     (lambda b, s, d, dtype: True, "cudnn"),
 )
 BACKWARD_RULES = (
     (lambda b, s, d, dtype: b == 1, "per_sample"),  # a graph of one launch saves nothing
     (lambda b, s, d, dtype: True, "per_sample_graph"),
 )
-_FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"), "torch": ()}
+_FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
+                  "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
 _BACKWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
                    "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
 
@@ -213,24 +223,51 @@ def _per_sample_fwd_plan(x2, b, dtype, training):
                                                  x2.device.index))
 
 
-def _run_per_sample(x2, b, gain, shift, eps, training, plan):
+def _per_sample_forward_outputs(x2, b, training):
+    """Fresh ``(y [B, S, D],)``, and when training 16-byte aligned fp32 ``mean``/``rstd`` ``[B, S]``."""
     rows, d = x2.shape
     s = rows // b
-    xs = x2.unflatten(0, (b, s))
-    eps_t = host_scalar(eps, plan.spec)
     y = torch.empty((b, s, d), dtype=x2.dtype, device=x2.device)
-    if not training:
-        for xb, gb, sb, yb in zip(xs.unbind(0), gain.unbind(0), shift.unbind(0), y.unbind(0)):
-            plan.run(xb, gb, sb, eps_t, yb)
-        return y, None, None
-    mean, rstd = _padded_rows(b, s, x2.device), _padded_rows(b, s, x2.device)
-    for xb, gb, sb, yb, mb, rb in zip(xs.unbind(0), gain.unbind(0), shift.unbind(0), y.unbind(0),
-                                      mean.unbind(0), rstd.unbind(0)):
-        plan.run(xb, gb, sb, eps_t, yb, mb, rb)
+    return (y, _padded_rows(b, s, x2.device), _padded_rows(b, s, x2.device)) if training else (y,)
+
+
+def _per_sample_forward_launches(x2, b, gain, shift, eps, plan, outputs) -> list:
+    """Per sample, the buffers of its launch in :func:`cudnorm._graphs.roles` order (B views
+    of each tensor: worth skipping when a captured graph replays)."""
+    eps_t = host_scalar(eps, plan.spec)
+    per_sample = zip(x2.unflatten(0, (b, x2.shape[0] // b)).unbind(0), gain.unbind(0), shift.unbind(0),
+                     *(t.unbind(0) for t in outputs))
+    return [(xb, gb, sb, eps_t, *out) for xb, gb, sb, *out in per_sample]
+
+
+def _forward_result(outputs, rows: int):
+    if len(outputs) == 1:
+        return outputs[0], None, None
+    y, mean, rstd = outputs
     return y, mean.reshape(rows), rstd.reshape(rows)  # a copy only when S % 4 padded them
 
 
-_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample)}
+def _run_per_sample(x2, b, gain, shift, eps, training, plan):
+    outputs = _per_sample_forward_outputs(x2, b, training)
+    _launch_per_sample(plan, _per_sample_forward_launches(x2, b, gain, shift, eps, plan, outputs))
+    return _forward_result(outputs, x2.shape[0])
+
+
+def _run_per_sample_graph(x2, b, gain, shift, eps, training, plan):
+    """:func:`_run_per_sample` through the captured-graph cache (:class:`_CapturedLaunches`);
+    eps is a by-value input the graph records, so it is part of the family."""
+    if not x2.is_cuda or _runtime.capturing():
+        return _run_per_sample(x2, b, gain, shift, eps, training, plan)  # an outer capture records them
+    outputs = _per_sample_forward_outputs(x2, b, training)
+    family = (plan.spec, b, float(eps))
+    _captured.run(plan, family, (x2, gain, shift, *outputs),
+                  lambda: _launch_per_sample(plan, _per_sample_forward_launches(x2, b, gain, shift, eps, plan, outputs),
+                                             _settings.current.ada_branches))
+    return _forward_result(outputs, x2.shape[0])
+
+
+_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample),
+             "per_sample_graph": (_per_sample_fwd_plan, _run_per_sample_graph)}
 _forward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
 
 
@@ -308,28 +345,73 @@ def _per_sample_plan(x2, b):
     return _dispatch.get_plan(_per_sample_bwd_spec(x2[:s], x2.device.index))
 
 
-def _launch_per_sample(plan, bases) -> None:
-    for buffers in zip(*(t.unbind(0) for t in bases)):
-        plan.run(*buffers)
+_branch_streams = threading.local()  # .by_device: device -> side streams a capture forks onto
 
 
-def _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, dx, dscale, dshift) -> None:
+def branch_streams(device: int, count: int) -> list:
+    """``count`` side streams of ``device`` for this thread (a stream is in one capture at a
+    time), made before the capture begins."""
+    by_device = getattr(_branch_streams, "by_device", None)
+    if by_device is None:
+        by_device = _branch_streams.by_device = {}
+    streams = by_device.setdefault(device, [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(device))
+    return streams[:count]
+
+
+def _launch_per_sample(plan, samples: list, branches: int = 1) -> list:
+    """One launch of ``plan`` per entry of ``samples`` (the buffers of one sample's launch).
+
+    While a CUDA graph is being captured and ``branches > 1``, the samples are dealt round
+    robin to that many side streams (:func:`branch_streams`) forked from the capturing stream
+    and joined back into it, so a replay runs up to ``branches`` samples at once: a short
+    sample's LayerNorm backward (two kernels of a few microseconds) leaves most of the GPU
+    idle when the launches run one after another. Each branch gets its own workspace (cuDNN
+    keeps partial dW/dB there). Returns those workspaces: they must outlive the capture.
+    """
+    branches = min(branches, len(samples))
+    if branches <= 1 or not _runtime.capturing():
+        for buffers in samples:
+            plan.run(*buffers)
+        return []
+    device = plan.spec.device_index
+    main = torch.cuda.current_stream(device)
+    size = plan.workspace_size
+    workspaces = [torch.empty(size, dtype=torch.uint8, device=main.device) if size else None
+                  for _ in range(branches)]
+    streams = branch_streams(device, branches)
+    for k, stream in enumerate(streams):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            for buffers in samples[k::branches]:
+                plan.run_with_workspace(workspaces[k], *buffers)
+    for stream in streams:
+        main.wait_stream(stream)
+    _runtime.handle(device)  # bind the handle back to the capturing stream
+    return workspaces
+
+
+def _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, dx, dscale, dshift, branches: int = 1) -> list:
     """The whole per-sample backward of a call, into ``dx [B, S, D]`` and ``dscale``/``dshift``
     ``[B, D]`` (any float dtype): the fp32 gain, B LayerNorm-backward launches (weight
     ``gain[b]``; their dW/dB are sample b's dscale/dshift, in fp32) and the rounding into the
     outputs. Only scratch is allocated here, so a CUDA graph can record all of it. The fp32
     ``[B, D]`` and statistics rows each start 16-byte aligned (padded when ``D`` or ``S`` is
-    not a multiple of 4), as the per-sample graphs' descriptors require."""
+    not a multiple of 4), as the per-sample graphs' descriptors require. ``branches``: see
+    :func:`_launch_per_sample`, whose workspaces are returned (keep them until capture ends)."""
     rows, d = x2.shape
     s = rows // b
     device = x2.device
     gain = _gain(scale, dit, _F32) if d % 4 == 0 else _gain(scale, dit, _F32, out=_padded_rows(b, d, device))
     stats = [t.view(b, s) if s % 4 == 0 else _padded_rows(b, s, device).copy_(t.view(b, s)) for t in (mean, rstd)]
     sums = [out if out.dtype is _F32 and d % 4 == 0 else _padded_rows(b, d, device) for out in (dscale, dshift)]
-    _launch_per_sample(plan, (x2.unflatten(0, (b, s)), gain, dy2.view(b, s, d), *stats, dx, *sums))
+    bases = (x2.unflatten(0, (b, s)), gain, dy2.view(b, s, d), *stats, dx, *sums)
+    keep = _launch_per_sample(plan, list(zip(*(t.unbind(0) for t in bases))), branches)
     for out, summed in zip((dscale, dshift), sums):
         if out is not summed:
             out.copy_(summed)
+    return keep
 
 
 def _backward_outputs(x2, b, scale_dtype, shift_dtype):
@@ -350,12 +432,15 @@ def _bwd_per_sample(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
 
 
 class _CapturedLaunches:
-    """Whole per-sample backwards (gain, B launches, rounding of dscale/dshift), each captured
-    once in a CUDA graph and replayed: one replay instead of B + 3 launches.
+    """The per-sample work of a call, captured once in a CUDA graph and replayed: a whole
+    backward (gain, B launches, rounding of dscale/dshift: one replay instead of B + 3
+    launches) or a forward's B launches. While captured, the launches are spread over
+    ``CUDNORM_ADA_BRANCHES`` streams (:func:`_launch_per_sample`).
 
     Correctness: a graph replays fixed pointers, so the key holds the family (LayerNorm spec,
-    B, convention, dtypes and strides of scale, output dtypes), the stream and the base
-    pointer of every tensor read or written (x, scale, dy, mean, rstd, dx, dscale, dshift).
+    B, convention, dtypes and strides of scale, output dtypes; a forward's eps, recorded by
+    value), the stream and the base pointer of every tensor read or written (backward: x,
+    scale, dy, mean, rstd, dx, dscale, dshift; forward: x, gain, shift, y, mean, rstd).
     A replay therefore reads and writes exactly the tensors of the current call; memory
     freed and reused by another tensor of the same layout is read as that tensor, which is
     what the call asks. Scratch (the fp32 gain, padded rows) lives in the graph's memory.
@@ -421,6 +506,7 @@ class _CapturedLaunches:
             pool = self.pools[(device, stream)] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(device)
+        branch_streams(device, _settings.current.ada_branches)  # made before capture begins
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
         try:
@@ -428,7 +514,7 @@ class _CapturedLaunches:
                 # thread_local: other threads (data loaders, autograd workers) keep working
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    program()
+                    scratch = program()  # noqa: F841 - held until the capture ends
                 finally:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - capture refused (driver, nested capture): stay correct, eager
@@ -462,7 +548,8 @@ def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     family = (plan.spec, b, dit, scale.dtype, scale.stride(), shift_dtype)
     one = _dispatch.constant(1.0, x2.shape[1], _F32, x2.device) if dit else None  # read by the gain's add
     _captured.run(plan, family, (x2, scale, dy2, mean, rstd, *outputs),
-                  lambda: _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, *outputs), keep=one)
+                  lambda: _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, *outputs,
+                                               branches=_settings.current.ada_branches), keep=one)
     return outputs
 
 
@@ -615,8 +702,8 @@ def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype
                 specs.append(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, device_index, batch=batch))
             continue
         strategy = _forward_strategy(batch, seq, cols, x_dtype)
-        per_sample = strategy == "per_sample" and _per_sample_fits(seq, cols, cols, x_dtype.itemsize,
-                                                                    fwd_dtype.itemsize)
+        per_sample = strategy.startswith("per_sample") and _per_sample_fits(seq, cols, cols, x_dtype.itemsize,
+                                                                             fwd_dtype.itemsize)
         if per_sample:
             specs.append(_dispatch.spec_for("layer_norm", phase, x2[:seq], fwd_dtype, device_index))
         elif strategy != "torch":

@@ -86,11 +86,16 @@ def test_strategy_rules_and_settings(cudnorm_env):
     for shape in [(4, 1024, 768), (32, 256, 1152), (8, 4096, 1152), (16, 4096, 3072), (2, 4096, 1536), (1, 1, 1000)]:
         assert ada.choose_forward(*shape, torch.bfloat16) in ada.FORWARD_STRATEGIES
         assert ada.choose_backward(*shape, torch.bfloat16) in ada.STRATEGIES
+    # large samples: the captured per-sample forward; one sample or small ones: cuDNN's AdaLN graph
+    assert ada.choose_forward(16, 4096, 3072, torch.bfloat16) == "per_sample_graph"
+    assert ada.choose_forward(1, 4096, 3072, torch.bfloat16) == "cudnn"
+    assert ada.choose_forward(8, 4096, 1152, torch.bfloat16) == "cudnn"
     cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
     cudnorm_env("CUDNORM_ADA_FWD", "torch")
     assert ada._backward_strategy(1, 1, 8, torch.float32) == "per_sample_graph"
     assert ada._forward_strategy(16, 4096, 3072, torch.bfloat16) == "torch"
-    for name, valid in (("CUDNORM_ADA_BWD", "auto"), ("CUDNORM_ADA_FWD", "auto"), ("CUDNORM_ADA_GRAPH_CACHE", "8")):
+    for name, valid in (("CUDNORM_ADA_BWD", "auto"), ("CUDNORM_ADA_FWD", "auto"), ("CUDNORM_ADA_GRAPH_CACHE", "8"),
+                        ("CUDNORM_ADA_BRANCHES", "4")):
         with pytest.raises(ValueError, match=name):
             cudnorm_env(name, "fastest")
         cudnorm_env(name, valid)
@@ -433,6 +438,73 @@ def test_gpu_captured_backward_replays_current_data(wdtype, cudnorm_env):
     # the allocator hands out the same blocks once it settles: later calls replay
     assert ada._captured.replays >= 2
     assert all(entry[0] is not None for entry in ada._captured.entries.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("branches", ["1", "3", "8"])
+def test_gpu_branched_capture_matches_plain_launches(branches, cudnorm_env):
+    """The captured backward with its samples dealt to side streams (``CUDNORM_ADA_BRANCHES``;
+    3 of 7 samples deals unevenly, 8 > 7 caps at one sample per stream) writes what the
+    plain per-sample launches write, on its first (eager) call and on replays with new values."""
+    cudnorm_env("CUDNORM_ADA_BRANCHES", branches)
+    ada.clear_captured_graphs()
+    b, s, d = 7, 256, 1152
+    x, scale, shift = _inputs((b, s, d), torch.bfloat16, torch.float32, True, "cuda")
+    dy = torch.randn_like(x)
+    mean = torch.empty(b * s, device="cuda")
+    rstd = torch.empty_like(mean)
+    cases = [(torch.randn_like(x), torch.randn_like(dy), 0.1 * torch.randn_like(scale)) for _ in range(6)]
+
+    def backward(case):
+        for buffer, values in zip((x, dy, scale), case):
+            buffer.copy_(values)  # same buffers each call: the captured graph can replay
+        y, m, r = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, shift, 1e-6, True, True)
+        mean.copy_(m)
+        rstd.copy_(r)
+        del y, m, r
+        return [t.clone() for t in torch.ops.cudnorm.ada_layer_norm_bwd(dy, x, scale, mean, rstd, True, scale.dtype)]
+
+    cudnorm_env("CUDNORM_ADA_BWD", "per_sample")
+    wants = [backward(case) for case in cases]
+    cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
+    replays = ada._captured.replays
+    for case, want in zip(cases, wants):
+        for g, w in zip(backward(case), want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert ada._captured.replays - replays >= 2
+    assert all(entry[0] is not None for entry in ada._captured.entries.values())
+    if int(branches) > 1:
+        assert len(ada._branch_streams.by_device[x.device.index]) >= min(int(branches), b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("branches", ["1", "4"])
+@pytest.mark.parametrize("training", [True, False])
+def test_gpu_captured_forward_matches_plain_launches(branches, training, cudnorm_env):
+    """The ``per_sample_graph`` forward writes what the plain per-sample launches write, on
+    its first call and on replays with new values; a new eps is not served by a graph that
+    recorded the old one."""
+    cudnorm_env("CUDNORM_ADA_BRANCHES", branches)
+    ada.clear_captured_graphs()
+    b, s, d = 6, 512, 1024
+    x, scale, shift = _inputs((b, s, d), torch.bfloat16, torch.bfloat16, True, "cuda")
+    cases = [(torch.randn_like(x), 0.1 * torch.randn_like(scale), 1e-6 if k < 4 else 1e-2) for k in range(6)]
+
+    def forward(case):
+        x.copy_(case[0])
+        scale.copy_(case[1])
+        outs = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, shift, case[2], True, training)
+        return [t.clone() for t in outs]
+
+    cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
+    wants = [forward(case) for case in cases]
+    cudnorm_env("CUDNORM_ADA_FWD", "per_sample_graph")
+    replays = ada._captured.replays
+    for case, want in zip(cases, wants):
+        for g, w in zip(forward(case), want):
+            assert torch.equal(g, w)
+    assert ada._captured.replays - replays >= 2
+    assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
 
 
 @pytest.mark.gpu
