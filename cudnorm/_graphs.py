@@ -268,15 +268,14 @@ class Plan:
         """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace is
         this stream's cached buffer (:func:`cudnorm._runtime.handle_and_workspace`)."""
         h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
-        if self.raw is not None:
-            self.raw(buffers, workspace, h)
-        else:
-            self._execute_public(buffers, workspace, h)
+        self._execute(buffers, workspace, h)
 
     def run_with_workspace(self, workspace: torch.Tensor | None, *buffers: torch.Tensor) -> None:
         """:meth:`run` with a caller-owned workspace (at least :attr:`workspace_size` bytes;
         ``None`` when that is 0): launches on several streams at once need one each."""
-        h = _runtime.handle(self.spec.device_index)
+        self._execute(buffers, workspace, _runtime.handle(self.spec.device_index))
+
+    def _execute(self, buffers, workspace, h) -> None:
         if self.raw is not None:
             self.raw(buffers, workspace, h)
         else:

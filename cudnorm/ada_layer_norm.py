@@ -539,7 +539,7 @@ def clear_captured_graphs() -> None:
 
 
 def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
-    if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+    if not x2.is_cuda or _runtime.capturing():
         return None  # an outer capture records the plain launches itself
     plan = _per_sample_plan(x2, b)
     if plan is None:
