@@ -18,8 +18,8 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
 ``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 1;
                              ``cudnorm._rows``)
 ``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
-                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``,
-                             ``per_sample_graph``, ``torch``
+                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``cudnn_graph``,
+                             ``per_sample``, ``per_sample_graph``, ``torch``
 ``CUDNORM_ADA_BWD``          AdaLN backward strategy: ``auto`` (default), ``cudnn``,
                              ``per_sample``, ``per_sample_graph``, ``torch``
 ``CUDNORM_ADA_GRAPH_CACHE``  captured AdaLN CUDA graphs kept (default 64; 0: no capture)
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 _CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "always": "on",
                                  "0": "off", "off": "off", "false": "off", "no": "off", "never": "off"},
             "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"},
-            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "per_sample", "per_sample_graph", "torch")},
+            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "cudnn_graph", "per_sample", "per_sample_graph",
+                                                        "torch")},
             "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "per_sample_graph", "torch")}}
 
 

@@ -15,6 +15,8 @@ directly (through an ``autograd.Function`` when grad is needed); traced calls go
 Forward strategies (:data:`FORWARD_RULES`, ``CUDNORM_ADA_FWD`` forces one):
 
 * ``cudnn``: cuDNN's adalayernorm forward graph, one launch.
+* ``cudnn_graph``: the same launch and the gain kernel before it captured once into a CUDA
+  graph and replayed (one replay instead of two launches: less host time per call).
 * ``per_sample``: the plain LayerNorm forward graph (``S`` rows, autotuned for large
   samples) launched once per sample with weight ``gain[b]`` and bias ``shift[b]``.
 * ``per_sample_graph``: those launches captured once into a CUDA graph and replayed, spread
@@ -54,7 +56,7 @@ from ._spec import NormSpec
 _OP = "ada_layer_norm"
 _EMPTY = (0,)
 _F32 = torch.float32
-FORWARD_STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")
+FORWARD_STRATEGIES = ("cudnn", "cudnn_graph", "per_sample", "per_sample_graph", "torch")
 STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")  # backward
 
 # (rule(b, s, d, dtype), strategy) rows, first match wins.
@@ -65,17 +67,20 @@ STRATEGIES = ("cudnn", "per_sample", "per_sample_graph", "torch")  # backward
 # where the captured per-sample forward spread over 4 streams took 0.211 / 0.230 ms of GPU
 # time (inference / training) at 16x4096x3072 against 0.264-0.270 for the best cuDNN AdaLN
 # plan; at 8x4096x1152 (4.7M per sample) it took 0.053 against 0.044 (ada_branches.csv,
-# probe_plans_s5.txt).
+# probe_plans_s5.txt). Elsewhere the cuDNN graph runs captured with its gain kernel
+# (``cudnn_graph``): the same kernels, replayed for less host time than two launches
+# (benchmarks/results/nvidia-h200/probe_s9_*.txt).
 PER_SAMPLE_FORWARD_MIN = 1 << 23
 FORWARD_RULES = (
     (lambda b, s, d, dtype: b > 1 and s * d >= PER_SAMPLE_FORWARD_MIN, "per_sample_graph"),
-    (lambda b, s, d, dtype: True, "cudnn"),
+    (lambda b, s, d, dtype: True, "cudnn_graph"),
 )
 BACKWARD_RULES = (
     (lambda b, s, d, dtype: b == 1, "per_sample"),  # a graph of one launch saves nothing
     (lambda b, s, d, dtype: True, "per_sample_graph"),
 )
-_FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
+_FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "cudnn_graph": ("cudnn_graph", "cudnn", "per_sample"),
+                  "per_sample": ("per_sample", "cudnn"),
                   "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
 _BACKWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"),
                    "per_sample_graph": ("per_sample_graph", "per_sample", "cudnn"), "torch": ()}
@@ -164,8 +169,6 @@ def _run_forward(x, scale, shift, eps, dit, training):
     repeating an earlier call's signature takes the strategy and plan it found from
     :data:`_forward_plans` (as :mod:`cudnorm._call_plans` does for LayerNorm/RMSNorm)."""
     dtype = _forward_dtype(x, scale, shift)
-    gain = _gain(scale, dit, dtype)
-    shift = _aligned(shift if shift.dtype is dtype else shift.to(dtype))
     if _dispatch.route(x) is None:
         b, s, d = x.shape
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
@@ -173,14 +176,34 @@ def _run_forward(x, scale, shift, eps, dit, training):
         hit = _forward_plans.get(signature)
         if hit is not None:
             _cache.plans.count_hit()
-            return hit[0](x2, b, gain, shift, eps, training, hit[1])
+            return hit[0](x2, b, _Modulation(scale, shift, dit, dtype), eps, training, hit[1])
         for name in _FORWARD_ORDER[_forward_strategy(b, s, d, x.dtype)]:
             find_plan, run = _FORWARDS[name]
             plan = find_plan(x2, b, dtype, training)
             if plan is not None:
                 _forward_plans.put(signature, (run, plan))
-                return run(x2, b, gain, shift, eps, training, plan)
-    return _torch_forward(x, gain, shift, eps, training)
+                return run(x2, b, _Modulation(scale, shift, dit, dtype), eps, training, plan)
+    mod = _Modulation(scale, shift, dit, dtype)
+    return _torch_forward(x, mod.gain(), mod.shift_for_graph(), eps, training)
+
+
+class _Modulation(tuple):
+    """A forward call's ``(scale, shift, dit, dtype)``: the caller's tensors and the dtype the
+    graphs read them in. Strategies turn them into the buffers they read (:meth:`gain`,
+    :meth:`shift_for_graph`) where it suits them: outside a captured graph, or inside it."""
+
+    __slots__ = ()
+
+    def __new__(cls, scale: torch.Tensor, shift: torch.Tensor, dit: bool, dtype: torch.dtype):
+        return tuple.__new__(cls, (scale, shift, dit, dtype))
+
+    def gain(self) -> torch.Tensor:
+        scale, _, dit, dtype = self
+        return _gain(scale, dit, dtype)
+
+    def shift_for_graph(self) -> torch.Tensor:
+        shift, dtype = self[1], self[3]
+        return _aligned(shift if shift.dtype is dtype else shift.to(dtype))
 
 
 def _torch_forward(x, gain, shift, eps, training):
@@ -193,25 +216,43 @@ def _torch_forward(x, gain, shift, eps, training):
 
 # Each forward strategy is a pair: ``find_plan(x2, b, dtype, training)`` returns the plan that
 # serves ``x2: [B*S, D]`` with gain/shift of ``dtype`` (``None``: it cannot), and
-# ``run(x2, b, gain, shift, eps, training, plan)`` launches it.
+# ``run(x2, b, mod, eps, training, plan)`` launches it (``mod``: the call's :class:`_Modulation`).
 
 def _cudnn_plan(x2, b, dtype, training):
     return _dispatch.get_plan(_dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype,
                                                  x2.device.index, batch=b))
 
 
-def _run_cudnn(x2, b, gain, shift, eps, training, plan):
+def _cudnn_forward_outputs(x2, b, training):
+    """Fresh ``(y [B, S, D],)``, and when training fp32 ``mean``/``rstd`` ``[B*S]``."""
     rows, d = x2.shape
-    device = x2.device
-    eps_t = host_scalar(eps, plan.spec)
-    y = torch.empty((b, rows // b, d), dtype=x2.dtype, device=device)
+    y = torch.empty((b, rows // b, d), dtype=x2.dtype, device=x2.device)
     if not training:
-        plan.run(x2, gain, shift, eps_t, y)
-        return y, None, None
-    mean = torch.empty(rows, dtype=_F32, device=device)
-    rstd = torch.empty(rows, dtype=_F32, device=device)
-    plan.run(x2, gain, shift, eps_t, y, mean, rstd)
-    return y, mean, rstd
+        return (y,)
+    return y, torch.empty(rows, dtype=_F32, device=x2.device), torch.empty(rows, dtype=_F32, device=x2.device)
+
+
+def _run_cudnn(x2, b, mod, eps, training, plan):
+    outputs = _cudnn_forward_outputs(x2, b, training)
+    plan.run(x2, mod.gain(), mod.shift_for_graph(), host_scalar(eps, plan.spec), *outputs)
+    return outputs if training else (outputs[0], None, None)
+
+
+def _run_cudnn_graph(x2, b, mod, eps, training, plan):
+    """:func:`_run_cudnn` through the captured-graph cache (:class:`_CapturedLaunches`): the
+    gain kernel, any rounding or packing of shift, and the launch, recorded once and replayed
+    while the call's tensors keep their addresses. eps is recorded by value: it is part of
+    the family, with everything else the recorded kernels depend on."""
+    if not x2.is_cuda or _runtime.capturing():
+        return _run_cudnn(x2, b, mod, eps, training, plan)  # an outer capture records the launches
+    scale, shift, dit, _ = mod
+    outputs = _cudnn_forward_outputs(x2, b, training)
+    family = ("cudnn", plan.spec, float(eps), dit, scale.dtype, scale.stride(), shift.dtype, shift.stride())
+    one = _dispatch.constant(1.0, x2.shape[1], _F32, x2.device) if dit else None  # read by the gain's add
+    _captured.run(plan, family, (x2, scale, shift, *outputs),
+                  lambda: plan.run(x2, mod.gain(), mod.shift_for_graph(), host_scalar(eps, plan.spec), *outputs),
+                  keep=one)
+    return outputs if training else (outputs[0], None, None)
 
 
 def _per_sample_fwd_plan(x2, b, dtype, training):
@@ -233,7 +274,8 @@ def _per_sample_forward_outputs(x2, b, training):
 
 def _per_sample_forward_launches(x2, b, gain, shift, eps, plan, outputs) -> list:
     """Per sample, the buffers of its launch in :func:`cudnorm._graphs.roles` order (B views
-    of each tensor: worth skipping when a captured graph replays)."""
+    of each tensor: worth skipping when a captured graph replays); ``gain``/``shift`` are the
+    ``[B, D]`` buffers the graph reads."""
     eps_t = host_scalar(eps, plan.spec)
     per_sample = zip(x2.unflatten(0, (b, x2.shape[0] // b)).unbind(0), gain.unbind(0), shift.unbind(0),
                      *(t.unbind(0) for t in outputs))
@@ -247,17 +289,19 @@ def _forward_result(outputs, rows: int):
     return y, mean.reshape(rows), rstd.reshape(rows)  # a copy only when S % 4 padded them
 
 
-def _run_per_sample(x2, b, gain, shift, eps, training, plan):
+def _run_per_sample(x2, b, mod, eps, training, plan):
     outputs = _per_sample_forward_outputs(x2, b, training)
-    _launch_per_sample(plan, _per_sample_forward_launches(x2, b, gain, shift, eps, plan, outputs))
+    launches = _per_sample_forward_launches(x2, b, mod.gain(), mod.shift_for_graph(), eps, plan, outputs)
+    _launch_per_sample(plan, launches)
     return _forward_result(outputs, x2.shape[0])
 
 
-def _run_per_sample_graph(x2, b, gain, shift, eps, training, plan):
+def _run_per_sample_graph(x2, b, mod, eps, training, plan):
     """:func:`_run_per_sample` through the captured-graph cache (:class:`_CapturedLaunches`);
     eps is a by-value input the graph records, so it is part of the family."""
     if not x2.is_cuda or _runtime.capturing():
-        return _run_per_sample(x2, b, gain, shift, eps, training, plan)  # an outer capture records them
+        return _run_per_sample(x2, b, mod, eps, training, plan)  # an outer capture records them
+    gain, shift = mod.gain(), mod.shift_for_graph()
     outputs = _per_sample_forward_outputs(x2, b, training)
     family = (plan.spec, b, float(eps))
     _captured.run(plan, family, (x2, gain, shift, *outputs),
@@ -266,7 +310,8 @@ def _run_per_sample_graph(x2, b, gain, shift, eps, training, plan):
     return _forward_result(outputs, x2.shape[0])
 
 
-_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample),
+_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "cudnn_graph": (_cudnn_plan, _run_cudnn_graph),
+             "per_sample": (_per_sample_fwd_plan, _run_per_sample),
              "per_sample_graph": (_per_sample_fwd_plan, _run_per_sample_graph)}
 _forward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
 
@@ -285,11 +330,23 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     if _dispatch.route(x) is None:
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         dy2, mean, rstd = _aligned(dy.reshape(b * s, d)), _aligned(mean), _aligned(rstd)
-        for name in _BACKWARD_ORDER[_backward_strategy(b, s, d, x.dtype)]:
-            out = _BACKWARDS[name](dy2, x2, b, scale, mean, rstd, one_plus_scale, shift_dtype)
-            if out is not None:
-                dx, dscale, dshift = out
-                return dx.view(b, s, d), dscale, dshift
+        args = (dy2, x2, b, scale, mean, rstd, one_plus_scale, shift_dtype)
+        # a call repeating a signature reuses the strategy and plan it found (as the forward)
+        signature = (x2.shape, x2.stride(0), x2.dtype, x2.get_device(), b, scale.dtype)
+        hit = _backward_plans.get(signature)
+        out = None if hit is None else hit[0](hit[1], *args)
+        if out is None:
+            for name in _BACKWARD_ORDER[_backward_strategy(b, s, d, x.dtype)]:
+                find_plan, run = _BACKWARDS[name]
+                plan = find_plan(x2, b, scale.dtype)
+                out = None if plan is None else run(plan, *args)
+                if out is not None:
+                    if not (x2.is_cuda and _runtime.capturing()):  # an outer capture is no reason to drop a graph
+                        _backward_plans.put(signature, (run, plan))
+                    break
+        if out is not None:
+            dx, dscale, dshift = out
+            return dx.view(b, s, d), dscale, dshift
     dx, dscale, dshift = _torch_backward(dy, x, _gain(scale, one_plus_scale, _F32), mean, rstd)
     return dx, dscale.to(scale.dtype), dshift.to(shift_dtype)
 
@@ -306,13 +363,18 @@ def _torch_backward(dy, x, gain, mean, rstd):
     return dx.to(x.dtype), (dyf * xhat).sum(1), dyf.sum(1)
 
 
-def _bwd_cudnn(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
+# Each backward strategy is a pair: ``find_plan(x2, b, scale_dtype)`` returns the plan that
+# serves ``x2: [B*S, D]`` (``None``: it cannot), and ``run(plan, dy2, x2, b, scale, mean, rstd,
+# dit, shift_dtype)`` returns ``(dx, dscale, dshift)``, or ``None`` when it cannot serve this
+# call (a captured strategy during an outer capture).
+
+def _cudnn_bwd_plan(x2, b, scale_dtype):
+    return _dispatch.get_plan(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, x2.device.index, batch=b))
+
+
+def _bwd_cudnn(plan, dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     """cuDNN's adalayernorm backward, reading the gain (and writing dscale/dshift) in the
     scale's own dtype."""
-    spec = _dispatch.spec_for(_OP, "bwd", x2, scale.dtype, x2.device.index, batch=b)
-    plan = _dispatch.get_plan(spec)
-    if plan is None:
-        return None
     gain = _gain(scale, dit, scale.dtype)
     dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
     dscale = torch.empty(gain.shape, dtype=gain.dtype, device=x2.device)
@@ -335,9 +397,9 @@ def _per_sample_bwd_spec(sample: torch.Tensor, device_index: int) -> NormSpec:
     return spec
 
 
-def _per_sample_plan(x2, b):
-    """The LayerNorm-backward plan of one sample (fp32 weight), or ``None`` when the samples
-    are not 16-byte aligned or cuDNN declines."""
+def _per_sample_plan(x2, b, scale_dtype=None):
+    """The LayerNorm-backward plan of one sample (fp32 weight, whatever ``scale_dtype``), or
+    ``None`` when the samples are not 16-byte aligned or cuDNN declines."""
     rows, d = x2.shape
     s = rows // b
     if not _per_sample_fits(s, x2.stride(0), d, x2.element_size()):
@@ -422,19 +484,17 @@ def _backward_outputs(x2, b, scale_dtype, shift_dtype):
             torch.empty((b, d), dtype=scale_dtype, device=device), torch.empty((b, d), dtype=shift_dtype, device=device))
 
 
-def _bwd_per_sample(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
-    plan = _per_sample_plan(x2, b)
-    if plan is None:
-        return None
+def _bwd_per_sample(plan, dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     outputs = _backward_outputs(x2, b, scale.dtype, shift_dtype)
     _per_sample_backward(plan, dy2, x2, b, scale, mean, rstd, dit, *outputs)
     return outputs
 
 
 class _CapturedLaunches:
-    """The per-sample work of a call, captured once in a CUDA graph and replayed: a whole
+    """The work of a call, captured once in a CUDA graph and replayed: a whole per-sample
     backward (gain, B launches, rounding of dscale/dshift: one replay instead of B + 3
-    launches) or a forward's B launches. While captured, the launches are spread over
+    launches), a forward's B per-sample launches, or cuDNN's AdaLN forward with its gain
+    kernel. While captured, the launches are spread over
     ``CUDNORM_ADA_BRANCHES`` streams (:func:`_launch_per_sample`).
 
     Correctness: a graph replays fixed pointers, so the key holds the family (LayerNorm spec,
@@ -518,8 +578,8 @@ class _CapturedLaunches:
                 finally:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - capture refused (driver, nested capture): stay correct, eager
-            warnings.warn(f"cudnorm.{_OP}: CUDA-graph capture of the per-sample backward failed "
-                          f"({type(exc).__name__}: {exc}); running it without a graph", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"cudnorm.{_OP}: CUDA-graph capture failed ({type(exc).__name__}: {exc}); "
+                          f"running the launches without a graph", RuntimeWarning, stacklevel=2)
             graph = None
         current.wait_stream(side)
         return graph
@@ -538,12 +598,9 @@ def clear_captured_graphs() -> None:
     _captured.clear()
 
 
-def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
+def _bwd_per_sample_graph(plan, dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     if not x2.is_cuda or _runtime.capturing():
         return None  # an outer capture records the plain launches itself
-    plan = _per_sample_plan(x2, b)
-    if plan is None:
-        return None
     outputs = _backward_outputs(x2, b, scale.dtype, shift_dtype)
     family = (plan.spec, b, dit, scale.dtype, scale.stride(), shift_dtype)
     one = _dispatch.constant(1.0, x2.shape[1], _F32, x2.device) if dit else None  # read by the gain's add
@@ -553,7 +610,9 @@ def _bwd_per_sample_graph(dy2, x2, b, scale, mean, rstd, dit, shift_dtype):
     return outputs
 
 
-_BACKWARDS = {"cudnn": _bwd_cudnn, "per_sample": _bwd_per_sample, "per_sample_graph": _bwd_per_sample_graph}
+_BACKWARDS = {"cudnn": (_cudnn_bwd_plan, _bwd_cudnn), "per_sample": (_per_sample_plan, _bwd_per_sample),
+              "per_sample_graph": (_per_sample_plan, _bwd_per_sample_graph)}
+_backward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
 
 
 # ---------------------------------------------------------------- custom ops, autograd

@@ -86,10 +86,11 @@ def test_strategy_rules_and_settings(cudnorm_env):
     for shape in [(4, 1024, 768), (32, 256, 1152), (8, 4096, 1152), (16, 4096, 3072), (2, 4096, 1536), (1, 1, 1000)]:
         assert ada.choose_forward(*shape, torch.bfloat16) in ada.FORWARD_STRATEGIES
         assert ada.choose_backward(*shape, torch.bfloat16) in ada.STRATEGIES
-    # large samples: the captured per-sample forward; one sample or small ones: cuDNN's AdaLN graph
+    # large samples: the captured per-sample forward; one sample or small ones: cuDNN's AdaLN
+    # graph, captured with its gain kernel
     assert ada.choose_forward(16, 4096, 3072, torch.bfloat16) == "per_sample_graph"
-    assert ada.choose_forward(1, 4096, 3072, torch.bfloat16) == "cudnn"
-    assert ada.choose_forward(8, 4096, 1152, torch.bfloat16) == "cudnn"
+    assert ada.choose_forward(1, 4096, 3072, torch.bfloat16) == "cudnn_graph"
+    assert ada.choose_forward(8, 4096, 1152, torch.bfloat16) == "cudnn_graph"
     cudnorm_env("CUDNORM_ADA_BWD", "per_sample_graph")
     cudnorm_env("CUDNORM_ADA_FWD", "torch")
     assert ada._backward_strategy(1, 1, 8, torch.float32) == "per_sample_graph"
@@ -154,7 +155,7 @@ class _FakePlan:
                                           ((2, 6, 40), torch.float32),  # S % 4: padded stats
                                           ((4, 8, 30), torch.bfloat16)])  # D % 4: padded gain/dscale
 @pytest.mark.parametrize("fwd, bwd", [("cudnn", "cudnn"), ("per_sample", "per_sample"), ("cudnn", "per_sample"),
-                                      ("per_sample", "cudnn")])
+                                      ("per_sample", "cudnn"), ("cudnn_graph", "per_sample")])
 @pytest.mark.parametrize("decline_first", [False, True])
 def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_first, monkeypatch, cudnorm_env):
     """The cuDNN-path code of both ops (buffer order, sizes, dtypes, alignment, per-sample
@@ -163,7 +164,9 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
     b, s, d = shape
     fits = {"train": ada._per_sample_fits(s, d, d, dtype.itemsize, dtype.itemsize),
             "bwd": ada._per_sample_fits(s, d, d, dtype.itemsize)}
-    order = {"cudnn": ["ada_layer_norm", "layer_norm"], "per_sample": ["layer_norm", "ada_layer_norm"]}
+    # cudnn_graph runs cuDNN's AdaLN plan (uncaptured on CPU tensors), then falls through as cudnn does
+    order = {"cudnn": ["ada_layer_norm", "layer_norm"], "cudnn_graph": ["ada_layer_norm", "layer_norm"],
+             "per_sample": ["layer_norm", "ada_layer_norm"]}
     candidates = {phase: [op for op in order[strategy] if op != "layer_norm" or fits[phase]]
                   for phase, strategy in (("train", fwd), ("bwd", bwd))}
     plans = []
@@ -233,7 +236,7 @@ def test_per_sample_declines_misaligned_samples():
     assert ada._per_sample_fits(4, 30, 30, 2) and ada._per_sample_fits(1, 1000, 1000, 2, 2)
     x = torch.randn(2 * 3, 30, dtype=torch.bfloat16)
     stats = torch.ones(6)
-    assert ada._bwd_per_sample(x, x, 2, torch.ones(2, 30), stats, stats, True, torch.float32) is None
+    assert ada._per_sample_plan(x, 2) is None  # so the per-sample strategies are never tried
 
 
 def test_gain_is_summed_in_fp32_and_rounded_once():
@@ -398,7 +401,7 @@ def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy, cudnorm_en
     expected = ada.specs_for(b, s, d, dtype, torch.float32, x.device.index, phases=("train", "bwd"))
     assert set(rec.specs) == set(expected), (rec.specs, expected)
     assert all(_cache.plans.lookup(spec) is not _cache.DECLINED for spec in rec.specs)
-    if strategy == "per_sample_graph":
+    if strategy in ("per_sample_graph", "cudnn_graph"):
         assert any(entry[0] is not None for entry in ada._captured.entries.values())
 
 
@@ -504,6 +507,42 @@ def test_gpu_captured_forward_matches_plain_launches(branches, training, cudnorm
         for g, w in zip(forward(case), want):
             assert torch.equal(g, w)
     assert ada._captured.replays - replays >= 2
+    assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dit, wdtype", [(True, torch.bfloat16), (True, torch.float32), (False, torch.float32)])
+def test_gpu_captured_cudnn_forward_matches_plain_launch(training, dit, wdtype, cudnorm_env):
+    """The ``cudnn_graph`` forward (gain kernel, rounding and packing of shift, and cuDNN's
+    launch, captured) writes exactly what the plain ``cudnn`` forward writes, on its first
+    call and on replays with new values in the same buffers; shift is a column chunk of a
+    wider tensor (packed inside the graph), fp32 scale/shift are rounded inside it; a new eps
+    gets its own graph."""
+    ada.clear_captured_graphs()
+    b, s, d = 4, 300, 1152
+    x, scale, _ = _inputs((b, s, d), torch.bfloat16, wdtype, dit, "cuda")
+    modulation = torch.randn(b, 2 * d, device="cuda", dtype=wdtype)
+    shift = modulation[:, d:]  # strided, as a chunk of AdaLayerNormZero's linear output
+    cases = [(torch.randn_like(x), 0.1 * torch.randn_like(scale), torch.randn_like(modulation),
+              1e-6 if k < 4 else 1e-3) for k in range(6)]
+
+    def forward(case):
+        x.copy_(case[0])
+        scale.copy_(case[1])
+        modulation.copy_(case[2])
+        outs = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, shift, case[3], dit, training)
+        return [t.clone() for t in outs]
+
+    cudnorm_env("CUDNORM_ADA_FWD", "cudnn")
+    wants = [forward(case) for case in cases]
+    cudnorm_env("CUDNORM_ADA_FWD", "cudnn_graph")
+    replays = ada._captured.replays
+    for case, want in zip(cases, wants):
+        for g, w in zip(forward(case), want):
+            assert torch.equal(g, w)
+    assert ada._captured.replays - replays >= 2
+    assert all(entry[0] is not None for entry in ada._captured.entries.values())
     assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
 
 

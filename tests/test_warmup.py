@@ -58,6 +58,7 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, cudnorm_env, tmp_pa
 
 @pytest.mark.parametrize("fwd, bwd", [("auto", "auto"), ("cudnn", "cudnn"), ("per_sample", "per_sample"),
                                       ("per_sample", "per_sample_graph"), ("per_sample_graph", "cudnn"),
+                                      ("cudnn_graph", "per_sample_graph"),
                                       ("torch", "cudnn"), ("cudnn", "torch")])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fresh_cache, fwd, bwd, scale_dtype):
