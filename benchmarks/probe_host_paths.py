@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
+from cudnorm._bench.cuda_graph import wall_us_per_call
 
 ADA_SHAPES = ((4, 1024, 768), (32, 256, 1152), (8, 4096, 1152), (16, 4096, 3072), (2, 4096, 1536))
 # Fewer than ~19 launches of a CUDA graph holding cuDNN kernels may be pending before a launch
@@ -47,12 +48,8 @@ def host_us(fn, calls: int = CALLS) -> float:
 
 
 def loop_us(fn, calls: int = 100) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    """Back-to-back calls, one synchronize at the end (the warm-up already ran)."""
+    return wall_us_per_call(fn, calls, warmup=0)
 
 
 def ada_cases(with_compile: bool = True):

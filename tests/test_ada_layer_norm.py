@@ -480,6 +480,22 @@ def test_gpu_branched_capture_matches_plain_launches(branches, cudnorm_env):
         assert len(ada._branch_streams.by_device[x.device.index]) >= min(int(branches), b)
 
 
+def _assert_captured_forward_equals_plain(forward, cases, plain: str, captured: str, cudnorm_env):
+    """``forward(case)`` under the ``captured`` strategy returns exactly what it returns under
+    ``plain`` for every case, replays at least twice, and keeps one graph per eps (the cases
+    use two)."""
+    cudnorm_env("CUDNORM_ADA_FWD", plain)
+    wants = [forward(case) for case in cases]
+    cudnorm_env("CUDNORM_ADA_FWD", captured)
+    replays = ada._captured.replays
+    for case, want in zip(cases, wants):
+        for g, w in zip(forward(case), want):
+            assert torch.equal(g, w)
+    assert ada._captured.replays - replays >= 2
+    assert all(entry[0] is not None for entry in ada._captured.entries.values())
+    assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("branches", ["1", "4"])
 @pytest.mark.parametrize("training", [True, False])
@@ -499,15 +515,7 @@ def test_gpu_captured_forward_matches_plain_launches(branches, training, cudnorm
         outs = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, shift, case[2], True, training)
         return [t.clone() for t in outs]
 
-    cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
-    wants = [forward(case) for case in cases]
-    cudnorm_env("CUDNORM_ADA_FWD", "per_sample_graph")
-    replays = ada._captured.replays
-    for case, want in zip(cases, wants):
-        for g, w in zip(forward(case), want):
-            assert torch.equal(g, w)
-    assert ada._captured.replays - replays >= 2
-    assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
+    _assert_captured_forward_equals_plain(forward, cases, "per_sample", "per_sample_graph", cudnorm_env)
 
 
 @pytest.mark.gpu
@@ -534,16 +542,7 @@ def test_gpu_captured_cudnn_forward_matches_plain_launch(training, dit, wdtype, 
         outs = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale, shift, case[3], dit, training)
         return [t.clone() for t in outs]
 
-    cudnorm_env("CUDNORM_ADA_FWD", "cudnn")
-    wants = [forward(case) for case in cases]
-    cudnorm_env("CUDNORM_ADA_FWD", "cudnn_graph")
-    replays = ada._captured.replays
-    for case, want in zip(cases, wants):
-        for g, w in zip(forward(case), want):
-            assert torch.equal(g, w)
-    assert ada._captured.replays - replays >= 2
-    assert all(entry[0] is not None for entry in ada._captured.entries.values())
-    assert len({key[0] for key in ada._captured.entries}) == 2, "a graph per eps"
+    _assert_captured_forward_equals_plain(forward, cases, "cudnn", "cudnn_graph", cudnorm_env)
 
 
 @pytest.mark.gpu
