@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from . import _cache, _dispatch, _graphs, _rows, _settings
-from ._spec import NormSpec
 
 _memos: list[SignatureMemo] = []
 
@@ -51,28 +50,28 @@ class SignatureMemo:
         self.entries[signature] = value
 
 
-_norm_calls = SignatureMemo()  # LayerNorm / RMSNorm: signature -> (spec, plan)
+_norm_calls = SignatureMemo()  # LayerNorm / RMSNorm: signature -> exact Plan
 
 
-def rows_spec_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, NormSpec, object]:
-    """``(x_rows, spec, plan)`` for a LayerNorm/RMSNorm call on ``x: [M, N]`` (CUDA).
+def rows_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+    """``(x_rows, plan)`` for a LayerNorm/RMSNorm call on ``x: [M, N]`` (CUDA).
 
     ``x_rows`` is ``x`` or, when its layout is not one cuDNN reads, a contiguous copy;
     ``plan`` is a :class:`~cudnorm._graphs.Plan`, a :class:`~cudnorm._rows.ChunkedPlan` or
-    ``None`` (cuDNN declines: the caller runs PyTorch's kernels).
+    ``None`` (cuDNN declines: the caller runs PyTorch's kernels). The hot path of every call:
+    a repeated signature costs one tuple, one dictionary lookup and an alignment check.
     """
     signature = (op, phase, x.shape, x.stride(), x.dtype, x.get_device(), scale_dtype)
-    hit = _norm_calls.get(signature)
-    if hit is not None and not x.data_ptr() % 16:
+    plan = _norm_calls.get(signature)
+    if plan is not None and not x.data_ptr() & 15:
         _cache.plans.count_hit()
-        return x, hit[0], hit[1]
+        return x, plan
     rows = _dispatch.cudnn_rows(x)
     spec = _dispatch.spec_for(op, phase, rows, scale_dtype, rows.device.index)
     plan = _rows.plan_or_chunks(spec)
     if rows is x and isinstance(plan, _graphs.Plan):
-        _norm_calls.put(signature, (spec, plan))
-    return rows, spec, plan
+        _norm_calls.put(signature, plan)
+    return rows, plan
 
 
 def forget() -> None:

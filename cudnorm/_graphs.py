@@ -10,8 +10,8 @@ No autograd here: the op modules decide *what* to run, this module only knows *h
 
 from __future__ import annotations
 
-import ctypes
 import time
+from array import array as _array
 from dataclasses import dataclass, field
 
 import torch
@@ -27,11 +27,13 @@ UIDS = {
 
 
 def roles(spec: NormSpec) -> tuple[str, ...]:
-    """The buffers a graph reads and writes, in the order :meth:`Plan.run` takes them."""
+    """The buffers a graph reads and writes, in the order :meth:`Plan.run` and
+    :meth:`Plan.launch` take them: ascending uid (:data:`UIDS`), the order of the backend's
+    variant-pack slots, so a launch passes its addresses without reordering them."""
     if spec.phase == "bwd":
         if spec.op == "rms_norm":
-            return ("x", "scale", "dy", "rstd", "dx", "dscale")
-        return ("x", "scale", "dy", "mean", "rstd", "dx", "dscale", "dbias")
+            return ("x", "scale", "rstd", "dy", "dx", "dscale")
+        return ("x", "scale", "mean", "rstd", "dy", "dx", "dscale", "dbias")
     inputs = ("x", "scale", "eps") if spec.op == "rms_norm" else ("x", "scale", "bias", "eps")
     if spec.phase == "infer":
         return inputs + ("y",)
@@ -52,7 +54,7 @@ def buffer_shapes(spec: NormSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         dparam = ((spec.batch, spec.cols), spec.scale_dtype)
     else:
         param = ((spec.cols,), spec.scale_dtype)
-        dparam = ((spec.cols,), f32)
+        dparam = ((spec.cols,), spec.scale_dtype)
     stat = ((spec.rows,), f32)
     table = {"x": x, "y": x, "dy": x, "dx": x, "scale": param, "bias": param, "dscale": dparam,
              "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32)}
@@ -101,10 +103,11 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
         t[role] = node_out
 
     tensor("x", xd, xs, io)
-    # backward always reads an fp32 scale and writes fp32 dscale/dbias (accurate dW/dB);
-    # the forward reads the scale in its memory dtype.
-    scale_dtype = f32 if (spec.phase == "bwd" and spec.op != "ada_layer_norm") else dt(spec.scale_dtype)
-    scale = tensor("scale", pd, ps, scale_dtype)
+    # Every graph reads the scale in its memory dtype, and a backward writes dscale/dbias in
+    # that dtype too: the graph accumulates them in fp32 and rounds once, as PyTorch's own
+    # backward does, so half-precision weights need no cast kernels around the launch and
+    # fp32 master weights get fp32 gradients (cuDNN 9.19 runs both at the same speed).
+    scale = tensor("scale", pd, ps, dt(spec.scale_dtype))
     hs = _host_scalar_shape(spec)
     hs_stride = [1] * len(hs)
     if spec.phase == "bwd":
@@ -112,7 +115,7 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
         if spec.op != "rms_norm":
             tensor("mean", sd, ss, f32)
         tensor("rstd", sd, ss, f32)
-        grad_dtype = dt(spec.scale_dtype) if spec.op == "ada_layer_norm" else f32
+        grad_dtype = dt(spec.scale_dtype)
         if spec.op == "rms_norm":
             dx, dscale, _ = g.rmsnorm_backward(name="norm_bwd", grad=t["dy"], input=t["x"], scale=scale,
                                                inv_variance=t["rstd"], has_dbias=False)
@@ -153,16 +156,29 @@ def _packed(dims: list[int]) -> list[int]:
     return list(reversed(strides))
 
 
-def host_scalar(value: float, spec: NormSpec, _cache: dict = {}) -> torch.Tensor:  # noqa: B006 - deliberate memo
-    """A CPU fp32 tensor holding ``value`` for a pass-by-value graph input (memoised)."""
-    shape = tuple(_host_scalar_shape(spec))
-    key = (float(value), shape)
-    tensor = _cache.get(key)
-    if tensor is None:
-        if len(_cache) > 256:
-            _cache.clear()
-        tensor = _cache[key] = torch.full(shape, float(value), dtype=torch.float32)
-    return tensor
+_SCALARS: dict = {}  # (value, rank) -> (CPU tensor, its address); never evicted (see eps_scalar)
+_MAX_SCALARS = 1024
+
+
+def eps_scalar(value: float, rank: int = 4) -> tuple[torch.Tensor, int]:
+    """``(tensor, address)`` of a CPU fp32 tensor of ``rank`` unit dims holding ``value``: the
+    pass-by-value eps input of a forward graph (rank 3 for AdaLN, 4 otherwise), memoised per
+    value. Entries are never evicted (a caller may still hold an address when another
+    thread adds one); past :data:`_MAX_SCALARS` values a fresh tensor is made, which the
+    caller keeps alive until its launch."""
+    key = (value, rank)
+    found = _SCALARS.get(key)
+    if found is None:
+        tensor = torch.full((1,) * rank, float(value), dtype=torch.float32)
+        found = (tensor, tensor.data_ptr())
+        if len(_SCALARS) < _MAX_SCALARS:
+            _SCALARS[key] = found
+    return found
+
+
+def host_scalar(value: float, spec: NormSpec) -> torch.Tensor:
+    """The CPU fp32 tensor holding ``value`` for ``spec``'s pass-by-value eps input."""
+    return eps_scalar(float(value), len(_host_scalar_shape(spec)))[0]
 
 
 #: Frontend versions whose private raw-pointer execute (``backend_graph._execute_with_raw_ptrs``)
@@ -172,21 +188,22 @@ RAW_EXECUTE_FRONTENDS = ("1.32.",)
 
 
 class RawExecute:
-    """Launches a built plan through the frontend's C++ graph with a pointer array, skipping
-    the public ``execute``'s per-call Python (binding checks, variant-pack normalisation).
+    """Launches a built plan through the frontend's C++ graph with an array of addresses,
+    skipping the public ``execute``'s per-call Python (binding checks, variant-pack
+    normalisation).
 
-    The public ordered execute costs 14-18 us of host time per launch on an H200 when called
-    back to back, and 20-60 us inside a training step where its state is cold
-    (``benchmarks/probe_session3.py launch|rows``); this path does the same backend call.
-    Built by :meth:`for_graph`, which returns ``None`` whenever anything it relies on is absent.
+    The public ordered execute costs 14-18 us of host time per launch on an H200, this path
+    the backend call alone (7-8 us on a lent H100 host, most of it inside cuDNN). Built by
+    :meth:`for_graph`, which returns ``None`` whenever anything it relies on is absent.
     """
 
-    __slots__ = ("_execute", "_arg_of_slot", "_array_type", "_index")
+    __slots__ = ("_execute", "_perm", "_count", "_index")
 
     def __init__(self, execute, arg_of_slot: tuple[int, ...], index: int) -> None:
         self._execute = execute
-        self._arg_of_slot = arg_of_slot
-        self._array_type = ctypes.c_void_p * len(arg_of_slot)
+        # None when the caller's order is already the backend's (roles() lists ascending uids)
+        self._perm = None if arg_of_slot == tuple(range(len(arg_of_slot))) else arg_of_slot
+        self._count = len(arg_of_slot)
         self._index = index
 
     MODE = "raw-pointer launch"
@@ -234,16 +251,14 @@ class RawExecute:
         except Exception:  # any private detail missing: the public path is always correct
             return None
 
-    def __call__(self, buffers, workspace, h) -> None:
-        self.launch([b.data_ptr() for b in buffers], workspace, h)
-
-    def launch(self, pointers: list[int], workspace, h) -> None:
+    def launch(self, pointers, workspace: torch.Tensor | None, backend_handle: int) -> None:
         """Execute with device (or, for pass-by-value scalars, host) addresses given in
-        :func:`roles` order: callers that cut buffers into row ranges pass offset addresses
-        instead of making a tensor view per range."""
-        array = self._array_type(*[pointers[i] for i in self._arg_of_slot])
-        self._execute(ctypes.addressof(array), len(self._arg_of_slot),
-                      0 if workspace is None else workspace.data_ptr(), h.backend_handle, self._index)
+        :func:`roles` order. An ``array('Q')`` holds them for the call: cheaper to build than
+        a ctypes array (8.2 vs 10.3 us per launch with the execute, lent H100 host)."""
+        perm = self._perm
+        slots = _array("Q", pointers if perm is None else [pointers[i] for i in perm])
+        self._execute(slots.buffer_info()[0], self._count, 0 if workspace is None else workspace.data_ptr(),
+                      backend_handle, self._index)
 
 
 @dataclass
@@ -265,31 +280,29 @@ class Plan:
     raw: RawExecute | None = None  # the fast launcher, when RawExecute.for_graph allows one
 
     def run(self, *buffers: torch.Tensor) -> None:
-        """Execute on the current stream. ``buffers`` follow :func:`roles`; the workspace is
-        this stream's cached buffer (:func:`cudnorm._runtime.handle_and_workspace`)."""
-        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
-        self._execute(buffers, workspace, h)
-
-    def run_with_workspace(self, workspace: torch.Tensor | None, *buffers: torch.Tensor) -> None:
-        """:meth:`run` with a caller-owned workspace (at least :attr:`workspace_size` bytes;
-        ``None`` when that is 0): launches on several streams at once need one each."""
-        self._execute(buffers, workspace, _runtime.handle(self.spec.device_index))
-
-    def _execute(self, buffers, workspace, h) -> None:
+        """Execute on torch's current stream. ``buffers`` follow :func:`roles`; the workspace
+        is this stream's cached buffer (:func:`cudnorm._runtime.launch_context`)."""
+        state, workspace = _runtime.launch_context(self.spec.device_index, self.workspace_size)
         if self.raw is not None:
-            self.raw(buffers, workspace, h)
+            self.raw.launch([b.data_ptr() for b in buffers], workspace, state.backend)
         else:
-            self._execute_public(buffers, workspace, h)
+            self._execute_public(buffers, workspace, state.handle)
 
-    def run_pointers(self, pointers: list[int]) -> None:
-        """:meth:`run` with addresses instead of tensors (only when :attr:`raw` is set)."""
-        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
-        self.raw.launch(pointers, workspace, h)
+    def launch(self, pointers: list[int]) -> None:
+        """:meth:`run` with addresses instead of tensors (offsets into a buffer need no
+        tensor view): the hot paths of the ops use it. The caller keeps every buffer alive
+        until this returns. Without a raw launcher the public execute takes the addresses in
+        its ``{uid: address}`` form."""
+        state, workspace = _runtime.launch_context(self.spec.device_index, self.workspace_size)
+        if self.raw is not None:
+            self.raw.launch(pointers, workspace, state.backend)
+        else:
+            self.graph.execute(dict(zip(self.uids, pointers)), workspace, handle=state.handle)
 
     def run_public(self, *buffers: torch.Tensor) -> None:
         """:meth:`run` through the frontend's public ``execute`` only (tests compare the two)."""
-        h, workspace = _runtime.handle_and_workspace(self.spec.device_index, self.workspace_size)
-        self._execute_public(buffers, workspace, h)
+        state, workspace = _runtime.launch_context(self.spec.device_index, self.workspace_size)
+        self._execute_public(buffers, workspace, state.handle)
 
     def _execute_public(self, buffers, workspace, h) -> None:
         if self.ordered:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import platform
 
 import torch
@@ -26,7 +25,6 @@ def clear_cache() -> None:
     _runtime.release_workspaces()
     _rows.reset()
     _call_plans.forget()
-    importlib.import_module("cudnorm.ada_layer_norm").clear_captured_graphs()  # its CUDA graphs hold plans
 
 
 def serving_path(op: str, input: torch.Tensor | None = None) -> str:

@@ -152,8 +152,19 @@ def chunk_spec(spec: NormSpec, rows: int) -> NormSpec:
     Chunk graphs are never autotuned: over 100 random row counts at N = 4096 (H200) tuning
     them cost 8 s of the 12.8 s spent building and left the steady state unchanged
     (147 ms per pass tuned, 139 ms untuned), while the whole point of chunks is few,
-    cheap builds."""
-    return spec._replace(rows=rows, autotune=False, dynamic=spec.phase in DYNAMIC_PHASES)
+    cheap builds. Backward chunks read an fp32 scale and write fp32 partial dW/dB whatever
+    the weight's dtype: the partials are summed across chunks and rounded once, so
+    half-precision weights get one rounding, as with an exact graph."""
+    scale_dtype = torch.float32 if spec.phase == "bwd" else spec.scale_dtype
+    return spec._replace(rows=rows, autotune=False, dynamic=spec.phase in DYNAMIC_PHASES, scale_dtype=scale_dtype)
+
+
+def _sum_rows(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = partials.sum(0)``, summed in fp32 and rounded once into ``out``'s dtype."""
+    if out.dtype is torch.float32:
+        torch.sum(partials, dim=0, out=out)
+    else:
+        out.copy_(partials.sum(0))
 
 
 def decompose(rows: int, sizes: tuple[int, ...], *, any_size_overlap: bool = False
@@ -209,6 +220,7 @@ class ChunkedPlan:
         self._stat_slots = tuple(i for i, r in enumerate(roles) if r in _STAT_ROLES)
         self._sum_slots = tuple(i for i, r in enumerate(roles) if r in _SUM_ROLES)
         self._dy_slot = roles.index("dy") if "dy" in roles else None
+        self._scale_slot = roles.index("scale")
         regular = chunks[1:] if overlap else chunks
         # split sizes cover [0, M): the regular chunks, then the rows only the remainder has
         self._split = [size for _, size in regular]
@@ -229,7 +241,11 @@ class ChunkedPlan:
 
     def run(self, *buffers: torch.Tensor) -> None:
         """Execute on the current stream; ``buffers`` as for the exact plan of ``spec``:
-        ``[M, N]`` x/y/dy/dx, ``[M]`` fp32 mean/rstd, ``[N]`` params/eps, fp32 ``[N]`` dW/dB."""
+        ``[M, N]`` x/y/dy/dx, ``[M]`` fp32 mean/rstd, ``[N]`` params/eps, ``[N]`` dW/dB in the
+        scale's dtype (the chunks read an fp32 scale: see :func:`chunk_spec`)."""
+        if self._sum_slots and buffers[self._scale_slot].dtype is not torch.float32:
+            buffers = list(buffers)
+            buffers[self._scale_slot] = buffers[self._scale_slot].float()
         if self._launches is not None:
             self._run_by_address(buffers)
             return
@@ -255,7 +271,7 @@ class ChunkedPlan:
             run(*args)
             launch += 1
         for k, slot in enumerate(sums):
-            torch.sum(partials[:, k], dim=0, out=buffers[slot])
+            _sum_rows(partials[:, k], buffers[slot])
 
     def _run_remainder(self, buffers, args: list, partial_rows) -> None:
         """Run the chunk that ends at row M and overlaps the ``overlap`` rows before it.
@@ -304,10 +320,10 @@ class ChunkedPlan:
                 pointers[slot] = base[slot] + start * nbytes
             for k, slot in enumerate(sums):
                 pointers[slot] = partial_base + (launch * len(sums) + k) * cols * 4
-            plan.run_pointers(pointers)
+            plan.launch(pointers)
             launch += 1
         for k, slot in enumerate(sums):
-            torch.sum(partials[:, k], dim=0, out=buffers[slot])
+            _sum_rows(partials[:, k], buffers[slot])
         del keep
 
     def _remainder_by_address(self, buffers, pointers: list, partial_base: int) -> list:
@@ -332,7 +348,7 @@ class ChunkedPlan:
                     stat = buffers[slot][start:].clone()
                     pointers[slot] = stat.data_ptr()
                     keep.append(stat)
-            plan.run_pointers(pointers)
+            plan.launch(pointers)
             return keep
         size = self.chunks[0][1]
         stats = torch.empty((len(self._stat_slots), size), dtype=torch.float32, device=buffers[0].device) if (
@@ -340,7 +356,7 @@ class ChunkedPlan:
         if stats is not None:
             for k, slot in enumerate(self._stat_slots):
                 pointers[slot] = stats.data_ptr() + k * size * 4
-        plan.run_pointers(pointers)
+        plan.launch(pointers)
         if stats is not None:
             for k, slot in enumerate(self._stat_slots):
                 buffers[slot][start + overlap:].copy_(stats[k, overlap:])

@@ -112,12 +112,26 @@ def torch_to_cudnn_dtype(dtype: torch.dtype):
     return table[dtype]
 
 
+class _DeviceState:
+    """This thread's cuDNN handle for one device, the stream it is bound to, and the buffers
+    kept per stream (workspaces, rounding rows)."""
+
+    __slots__ = ("handle", "backend", "stream", "workspaces", "rounding")
+
+    def __init__(self, device_index: int) -> None:
+        with torch.cuda.device(device_index):
+            self.handle = cudnn_module().create_handle()
+        self.backend = self.handle.backend_handle  # the cudnnHandle_t the raw launcher takes
+        self.stream = None
+        self.workspaces: dict[int, tuple[torch.Tensor, int]] = {}  # stream -> (buffer, bytes)
+        self.rounding: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, n, dtype) -> rows
+
+
 class _Handles(threading.local):
-    """Per-thread ``{device_index: [handle, stream the handle is bound to, {stream: workspace},
-    {(stream, n, dtype): rounding rows}]}``."""
+    """Per-thread ``{device_index: _DeviceState}``."""
 
     def __init__(self) -> None:
-        self.by_device: dict[int, list] = {}
+        self.by_device: dict[int, _DeviceState] = {}
 
 
 _handles = _Handles()
@@ -139,85 +153,89 @@ def current_stream_ptr(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _bound_entry(device_index: int) -> list:
-    stream = current_stream_ptr(device_index)
-    entry = _handles.by_device.get(device_index)
-    if entry is None:
-        with torch.cuda.device(device_index):
-            entry = [cudnn_module().create_handle(), None, {}, {}]
-        _handles.by_device[device_index] = entry
-    if entry[1] != stream:
-        cudnn_module().set_stream(handle=entry[0], stream=stream)
-        entry[1] = stream
-    return entry
+def _bound(device_index: int) -> _DeviceState:
+    """This thread's state for ``device_index`` with its handle bound to torch's current
+    stream (re-bound only when the stream changed since the last call)."""
+    stream = _raw_current_stream(device_index) if _raw_current_stream is not None \
+        else torch.cuda.current_stream(device_index).cuda_stream
+    state = _handles.by_device.get(device_index)
+    if state is None:
+        state = _handles.by_device[device_index] = _DeviceState(device_index)
+    if state.stream != stream:
+        cudnn_module().set_stream(handle=state.handle, stream=stream)
+        state.stream = stream
+    return state
 
 
 def handle(device_index: int):
-    """This thread's cuDNN handle for ``device_index``, bound to torch's current stream.
+    """This thread's cuDNN handle for ``device_index``, bound to torch's current stream."""
+    return _bound(device_index).handle
 
-    The stream is re-bound only when it changed since the last call, which keeps the
-    steady-state cost to one dictionary lookup and one integer comparison.
+
+def launch_context(device_index: int, nbytes: int) -> tuple[_DeviceState, torch.Tensor | None]:
+    """``(state, workspace)`` for one execute on torch's current stream: this thread's
+    :class:`_DeviceState` (``state.handle`` bound to the stream, ``state.backend`` its
+    ``cudnnHandle_t``) and a uint8 CUDA buffer of at least ``nbytes`` (``None`` for 0).
+
+    The workspace is kept per (thread, device, stream) and grows when a plan needs more:
+    allocating it per call costs several us of host time. Reuse is safe because every
+    execute that uses it is ordered on that one stream. While the stream is being captured
+    into a CUDA graph a fresh buffer comes from the graph's memory pool instead, so a replay
+    never writes into memory the cache later frees or grows; the caller keeps it alive until
+    its launch has been issued.
     """
-    return _bound_entry(device_index)[0]
+    state = _bound(device_index)
+    if not nbytes:
+        return state, None
+    if _capturing():
+        return state, torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
+    kept = state.workspaces.get(state.stream)
+    if kept is None or kept[1] < nbytes:
+        if len(state.workspaces) >= _MAX_STREAMS_WITH_WORKSPACE:
+            state.workspaces.clear()
+        buffer = torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
+        kept = state.workspaces[state.stream] = (buffer, nbytes)
+    return state, kept[0]
 
 
 def handle_and_workspace(device_index: int, nbytes: int):
-    """``(handle, workspace)`` for one execute on the current stream: the handle as
-    :func:`handle` gives it, and a uint8 CUDA buffer of at least ``nbytes`` (``None`` for 0).
-
-    The workspace is kept per (thread, device, stream) and grows when a plan needs more:
-    allocating it per call cost ~3 us of host time. Reuse is safe because every execute
-    that uses it is ordered on that one stream. While the stream is being captured into a
-    CUDA graph a fresh buffer comes from the graph's memory pool instead, so a replay never
-    writes into memory the cache later frees or grows.
-    """
-    entry = _bound_entry(device_index)
-    if not nbytes:
-        return entry[0], None
-    if _capturing():
-        return entry[0], torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
-    workspaces = entry[2]
-    ws = workspaces.get(entry[1])
-    if ws is None or ws.numel() < nbytes:
-        if len(workspaces) >= _MAX_STREAMS_WITH_WORKSPACE:
-            workspaces.clear()
-        ws = workspaces[entry[1]] = torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
-    return entry[0], ws
+    """``(handle, workspace)``: :func:`launch_context` with the frontend handle."""
+    state, workspace = launch_context(device_index, nbytes)
+    return state.handle, workspace
 
 
 def rounding_rows(device_index: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Two ``[n]`` CUDA vectors of ``dtype`` (each 16-byte aligned) that a forward rounds its
     fp32 weight and bias into just before its launch, kept per (thread, device, stream).
 
-    Allocating and slicing a fresh pair per call cost more host time than the graph launch
-    (host_profile.py, fp32 weights). Reuse is safe for the reason the workspace's is: the
-    copy into the rows and the launch reading them are ordered on this one stream, after
-    every earlier launch that read them, and each thread has its own rows, so two threads
-    sharing a stream cannot interleave their copies. While the stream is being captured
-    into a CUDA graph the rows come fresh from the graph's pool (see
-    :func:`handle_and_workspace`).
+    Allocating and slicing a fresh pair per call cost more host time than the graph launch.
+    Reuse is safe for the reason the workspace's is: the copy into the rows and the launch
+    reading them are ordered on this one stream, after every earlier launch that read them,
+    and each thread has its own rows, so two threads sharing a stream cannot interleave their
+    copies. While the stream is being captured into a CUDA graph the rows come fresh from
+    the graph's pool (see :func:`launch_context`).
     """
-    entry = _bound_entry(device_index)
-    key = (entry[1], n, dtype)
+    state = _bound(device_index)
+    key = (state.stream, n, dtype)
     capturing = _capturing()
-    rows = None if capturing else entry[3].get(key)
+    rows = None if capturing else state.rounding.get(key)
     if rows is None:
         per_16_bytes = 16 // dtype.itemsize
         stride = -(-n // per_16_bytes) * per_16_bytes
         pair = torch.empty((2, stride), dtype=dtype, device=torch.device("cuda", device_index))
         rows = (pair[0, :n], pair[1, :n])
         if not capturing:
-            if len(entry[3]) >= _MAX_STREAMS_WITH_WORKSPACE:
-                entry[3].clear()
-            entry[3][key] = rows
+            if len(state.rounding) >= _MAX_STREAMS_WITH_WORKSPACE:
+                state.rounding.clear()
+            state.rounding[key] = rows
     return rows
 
 
 def release_workspaces() -> None:
     """Drop this thread's cached workspaces and rounding rows (``cudnorm.clear_cache()``)."""
-    for entry in _handles.by_device.values():
-        entry[2].clear()
-        entry[3].clear()
+    for state in _handles.by_device.values():
+        state.workspaces.clear()
+        state.rounding.clear()
 
 
 def device_fingerprint(device_index: int) -> dict:

@@ -18,13 +18,9 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
 ``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 1;
                              ``cudnorm._rows``)
 ``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
-                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``cudnn_graph``,
-                             ``per_sample``, ``per_sample_graph``, ``torch``
+                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``, ``torch``
 ``CUDNORM_ADA_BWD``          AdaLN backward strategy: ``auto`` (default), ``cudnn``,
-                             ``per_sample``, ``per_sample_graph``, ``torch``
-``CUDNORM_ADA_GRAPH_CACHE``  captured AdaLN CUDA graphs kept (default 64; 0: no capture)
-``CUDNORM_ADA_BRANCHES``     streams a captured AdaLN call spreads its per-sample launches
-                             over (default 4; 1: one after another)
+                             ``per_sample``, ``torch``
 ``CUDNORM_RAW_EXECUTE``      ``1`` (default): launch plans through the frontend's raw-pointer
                              execute where the frontend version was verified for it
                              (``cudnorm._graphs``); ``0``: always the public ``execute``
@@ -39,9 +35,8 @@ from dataclasses import dataclass
 _CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "always": "on",
                                  "0": "off", "off": "off", "false": "off", "no": "off", "never": "off"},
             "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"},
-            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "cudnn_graph", "per_sample", "per_sample_graph",
-                                                        "torch")},
-            "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "per_sample_graph", "torch")}}
+            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")},
+            "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")}}
 
 
 @dataclass(frozen=True)
@@ -55,8 +50,6 @@ class Settings:
     exact_after: int
     ada_forward: str  # "auto" | an AdaLN forward strategy (cudnorm.ada_layer_norm)
     ada_backward: str  # "auto" | an AdaLN backward strategy
-    ada_graph_cache: int
-    ada_branches: int  # >= 1
     raw_execute: bool
 
 
@@ -99,8 +92,6 @@ def _read() -> Settings:
         exact_after=max(1, _count("CUDNORM_EXACT_AFTER", "1")),
         ada_forward=_choice("CUDNORM_ADA_FWD", "auto"),
         ada_backward=_choice("CUDNORM_ADA_BWD", "auto"),
-        ada_graph_cache=_count("CUDNORM_ADA_GRAPH_CACHE", "64"),
-        ada_branches=max(1, _count("CUDNORM_ADA_BRANCHES", "4")),
         raw_execute=os.environ.get("CUDNORM_RAW_EXECUTE", "1").strip().lower() not in ("0", "false", "no", "off"),
     )
 

@@ -18,64 +18,75 @@ from collections.abc import Sequence
 import torch
 
 from . import _call_plans, _checks, _dispatch
-from ._graphs import host_scalar
+from ._graphs import Plan, eps_scalar
 
 _OP = "layer_norm"
-_EMPTY = (0,)
+_F32 = torch.float32
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-             training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on ``x: [M, N]``; ``weight``/``bias``: ``[N]`` fp32 or x's dtype, or None.
 
-    Returns ``(y [M, N] x.dtype, mean [M] fp32, rstd [M] fp32)``; with ``training=False``
-    the inference graph runs and ``mean``/``rstd`` are empty.
+    Returns ``(y [M, N] x.dtype, stats)``: ``stats`` is fp32 ``[2, ceil4(M)]``, mean in row 0
+    and rstd in row 1 (first ``M`` columns), or ``[2, 0]`` with ``training=False`` (the
+    inference graph runs and writes no statistics).
     """
-    out = _gpu_forward(x, weight, bias, eps, training) if _dispatch.route(x) is None else None
-    if out is None:
-        return _torch_forward(x, weight, bias, eps, training)
-    y, mean, rstd = out
-    if not training:
-        mean, rstd = x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
-    return y, mean, rstd
+    if _dispatch.route(x) is None:
+        y, stats = _gpu_forward(x, weight, bias, eps, training)
+        return y, stats if training else x.new_empty((2, 0), dtype=_F32)
+    return _torch_forward(x, weight, bias, eps, training)
 
 
 def _gpu_forward(x, weight, bias, eps, training):
-    """``(y, mean, rstd)`` (stats ``None`` when not training) from PyTorch's fused kernel where
-    it was measured faster (:func:`cudnorm._dispatch.native_forward`), else from cuDNN's
-    graph; ``None`` when cuDNN declines."""
+    """``(y, stats)`` (``stats`` ``None`` when not training) on a CUDA tensor: cuDNN's graph,
+    or PyTorch's fused kernel where that was measured faster (wide rows,
+    :func:`cudnorm._dispatch.native_forward`) and where no graph serves the call (a row count
+    the row policy leaves to PyTorch, such as decode steps of a few rows; a declined graph)."""
     if not _dispatch.native_forward(x):
-        return _cudnn_forward(x, weight, bias, eps, training)
+        out = _cudnn_forward(x, weight, bias, eps, training)
+        if out is not None:
+            return out
     scale, shift, _ = _dispatch.forward_params(x, weight, bias, has_bias=True)  # rounded as for cuDNN
     y, mean, rstd = torch.native_layer_norm(x, [x.shape[1]], scale, shift, eps)
     if not training:
-        return y, None, None
-    # fp32 statistics on CUDA already (the CPU kernel keeps x's dtype; tests run it there)
-    return y, mean.view(-1).float(), rstd.view(-1).float()
+        return y, None
+    stats = _dispatch.stats_buffer(x.shape[0], 2, x.device)
+    stats[:, :x.shape[0]].copy_(torch.stack((mean.view(-1), rstd.view(-1))))
+    return y, stats
 
 
 def _cudnn_forward(x, weight, bias, eps, training):
-    """``(y, mean, rstd)`` from the cuDNN graph (stats ``None`` when not training), or
-    ``None`` when cuDNN declines. The hot path of every call: keep it lean."""
+    """``(y, stats)`` from the cuDNN graph (``stats`` ``None`` when not training), or ``None``
+    when cuDNN declines. The hot path of every call: keep it lean."""
     scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=True)
-    x, spec, plan = _call_plans.rows_spec_plan(_OP, "train" if training else "infer", x, scale_dtype)
+    x, plan = _call_plans.rows_plan(_OP, "train" if training else "infer", x, scale_dtype)
     if plan is None:
         return None
     y = torch.empty_like(x)  # x's rows are cuDNN-ready: y comes out packed [M, N]
+    eps_holder, eps_address = eps_scalar(eps)  # the holder keeps the host scalar alive until the launch
     if not training:
-        plan.run(x, scale, shift, host_scalar(eps, spec), y)
-        return y, None, None
-    m = x.shape[0]
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    plan.run(x, scale, shift, host_scalar(eps, spec), y, mean, rstd)
-    return y, mean, rstd
+        if type(plan) is Plan:
+            plan.launch([x.data_ptr(), scale.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr()])
+        else:
+            plan.run(x, scale, shift, eps_holder, y)
+        return y, None
+    stats = _dispatch.stats_buffer(x.shape[0], 2, x.device)
+    if type(plan) is Plan:
+        mean = stats.data_ptr()
+        plan.launch([x.data_ptr(), scale.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr(), mean,
+                     mean + 4 * stats.shape[1]])
+    else:
+        m = x.shape[0]
+        plan.run(x, scale, shift, eps_holder, y, stats[0, :m], stats[1, :m])
+    return y, stats
 
 
 def _infer(x, weight, bias, eps) -> torch.Tensor:
-    """Eager inference: ``y`` only (no empty statistics tensors to allocate)."""
-    out = _gpu_forward(x, weight, bias, eps, False) if _dispatch.route(x) is None else None
-    return out[0] if out is not None else _torch_forward(x, weight, bias, eps, False)[0]
+    """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
+    if _dispatch.route(x) is None:
+        return _gpu_forward(x, weight, bias, eps, False)[0]
+    return _torch_forward(x, weight, bias, eps, False)[0]
 
 
 def _torch_forward(x, weight, bias, eps, training):
@@ -86,62 +97,76 @@ def _torch_forward(x, weight, bias, eps, training):
     y, mean, rstd = torch.native_layer_norm(x.float(), [n], w, b, eps)
     y = y.to(x.dtype)
     if not training:
-        return y, x.new_empty(_EMPTY, dtype=torch.float32), x.new_empty(_EMPTY, dtype=torch.float32)
-    return y, mean.view(m), rstd.view(m)
+        return y, x.new_empty((2, 0), dtype=_F32)
+    stats = x.new_zeros((2, -(-m // 4) * 4), dtype=_F32)
+    stats[0, :m] = mean.view(m)
+    stats[1, :m] = rstd.view(m)
+    return y, stats
 
 
-def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32, dbias [N] fp32)``.
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward on ``[M, N]`` with the forward's ``stats`` (:func:`_forward`).
 
-    dW/dB are always accumulated and returned in fp32 (the autograd formula casts them to
-    the parameter's dtype), so fp32 master weights get fp32-accurate gradients.
+    Returns ``(dx x.dtype, dweight [N], dbias [N])``, dW/dB accumulated in fp32 and rounded
+    once into the weight's dtype (fp32 without a weight): fp32 master weights get fp32
+    gradients, half-precision weights what PyTorch's own backward gives them.
     """
-    m, n = x.shape
+    wdtype = _dispatch.backward_scale_dtype(weight)
     if _dispatch.route(x) is None:
-        x, spec, plan = _call_plans.rows_spec_plan(_OP, "bwd", x, torch.float32)
+        x, plan = _call_plans.rows_plan(_OP, "bwd", x, wdtype)
         if plan is not None:
-            scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
+            n = x.shape[1]
+            scale = _dispatch.constant(1.0, n, _F32, x.device) if weight is None else weight
+            dy = _dispatch.packed(dy)
             dx = torch.empty_like(x)
-            dw = torch.empty(n, dtype=torch.float32, device=x.device)
-            db = torch.empty(n, dtype=torch.float32, device=x.device)
-            plan.run(x, scale, dy.contiguous(), mean, rstd, dx, dw, db)
+            dw = torch.empty(n, dtype=wdtype, device=x.device)
+            db = torch.empty(n, dtype=wdtype, device=x.device)
+            if type(plan) is Plan:
+                mean = stats.data_ptr()
+                plan.launch([x.data_ptr(), scale.data_ptr(), mean, mean + 4 * stats.shape[1], dy.data_ptr(),
+                             dx.data_ptr(), dw.data_ptr(), db.data_ptr()])
+            else:
+                m = x.shape[0]
+                plan.run(x, scale, stats[0, :m], stats[1, :m], dy, dx, dw, db)
             return dx, dw, db
-    return _torch_backward(dy, x, weight, mean, rstd)
+    return _torch_backward(dy, x, weight, stats)
 
 
-def _torch_backward(dy, x, weight, mean, rstd):
+def _torch_backward(dy, x, weight, stats):
     """PyTorch path: ATen's LayerNorm backward in fp32. dW is computed against ones when
     there is no weight, as the cuDNN graph does."""
     m, n = x.shape
+    wdtype = _dispatch.backward_scale_dtype(weight)
     dyf, xf = dy.float(), x.float()
-    w = torch.ones(n, dtype=torch.float32, device=x.device) if weight is None else weight.float()
+    w = torch.ones(n, dtype=_F32, device=x.device) if weight is None else weight.float()
     dx, dw, _ = torch.ops.aten.native_layer_norm_backward(
-        dyf, xf, [n], mean.view(m, 1), rstd.view(m, 1), w, None, [True, True, False])
-    return dx.to(x.dtype), dw, dyf.sum(0)
+        dyf, xf, [n], stats[0, :m].reshape(m, 1), stats[1, :m].reshape(m, 1), w, None, [True, True, False])
+    return dx.to(x.dtype), dw.to(wdtype), dyf.sum(0).to(wdtype)
 
 
-layer_norm_fwd = torch.library.custom_op("cudnorm::layer_norm_fwd", _forward, mutates_args=())
-layer_norm_bwd = torch.library.custom_op("cudnorm::layer_norm_bwd", _backward_impl, mutates_args=())
-
-
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, eps, training):
+def _fake_forward(x, weight, bias, eps, training):
     m, n = x.shape
-    stats = (m,) if training else _EMPTY
-    return (x.new_empty((m, n)), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32))
+    return x.new_empty((m, n)), x.new_empty((2, (m + 3) // 4 * 4 if training else 0), dtype=_F32)
 
 
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd):
+def _fake_backward(dy, x, weight, stats):
     n = x.shape[1]
-    return x.new_empty(x.shape), x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
+    wdtype = _dispatch.backward_scale_dtype(weight)
+    return x.new_empty(x.shape), x.new_empty((n,), dtype=wdtype), x.new_empty((n,), dtype=wdtype)
+
+
+layer_norm_fwd = _dispatch.define_op(
+    "layer_norm_fwd", "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool training) -> (Tensor, Tensor)",
+    _forward, _fake_forward)
+layer_norm_bwd = _dispatch.define_op(
+    "layer_norm_bwd", "(Tensor dy, Tensor x, Tensor? weight, Tensor stats) -> (Tensor, Tensor, Tensor)",
+    _backward_impl, _fake_backward)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, eps, training = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.save_for_backward(x, weight, output[1])
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
@@ -150,19 +175,19 @@ def _make_backward(backward_fn):
     traced graphs, the plain implementation in the eager ``autograd.Function``."""
 
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        if mean.numel() == 0:
+        x, weight, stats = ctx.saved_tensors
+        if stats.numel() == 0:
             raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
-        dx, dw, db = backward_fn(dy, x, weight, mean, rstd)
-        dweight = None if weight is None else dw.to(weight.dtype)
-        dbias = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype)
+        dx, dw, db = backward_fn(dy, x, weight, stats)
+        dweight = None if weight is None else dw
+        dbias = None if ctx.bias_dtype is None else db if db.dtype is ctx.bias_dtype else db.to(ctx.bias_dtype)
         return dx, dweight, dbias, None, None
 
     return backward
 
 
-_dispatch.register_autograd(layer_norm_fwd, _setup_context, _make_backward(layer_norm_bwd))
+_dispatch.register_autograd("layer_norm_fwd", _setup_context, _make_backward(layer_norm_bwd))
 _LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _setup_context,
                                               _make_backward(_backward_impl))
 

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 import torch
 
 from . import _call_plans, _checks, _dispatch
-from ._graphs import host_scalar
+from ._graphs import Plan, eps_scalar
 
 _OP = "rms_norm"
 _EMPTY = (0,)
+_F32 = torch.float32
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -28,21 +29,30 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
     Returns ``(y [M, N] x.dtype, rstd [M] fp32)``; ``rstd`` is empty with ``training=False``.
     """
-    out = _gpu_forward(x, weight, eps, training) if _dispatch.route(x) is None else None
-    if out is None:
-        return _torch_forward(x, weight, eps, training)
-    y, rstd = out
-    return y, rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
+    if _dispatch.route(x) is None:
+        y, rstd = _gpu_forward(x, weight, eps, training)
+        return y, rstd if training else x.new_empty(_EMPTY, dtype=_F32)
+    return _torch_forward(x, weight, eps, training)
+
+
+# PyTorch's one-kernel RMSNorm (torch >= 2.8); older releases take the composite fp32 path
+_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 
 def _gpu_forward(x, weight, eps, training):
-    """``(y, rstd)`` (``rstd`` ``None`` when not training) from PyTorch's fused kernel where it
-    was measured faster (:func:`cudnorm._dispatch.native_forward`), else from cuDNN's graph;
-    ``None`` when cuDNN declines."""
+    """``(y, rstd)`` (``rstd`` ``None`` when not training) on a CUDA tensor: cuDNN's graph, or
+    PyTorch's fused kernel where that was measured faster (wide rows,
+    :func:`cudnorm._dispatch.native_forward`) and where no graph serves the call (a row count
+    the row policy leaves to PyTorch, such as decode steps of a few rows; a declined graph)."""
     if not _dispatch.native_forward(x):
-        return _cudnn_forward(x, weight, eps, training)
+        out = _cudnn_forward(x, weight, eps, training)
+        if out is not None:
+            return out
+    if _FUSED_RMS_NORM is None:
+        y, rstd = _torch_forward(x, weight, eps, training)
+        return y, rstd if training else None
     scale, _, _ = _dispatch.forward_params(x, weight, None, has_bias=False)  # rounded as for cuDNN
-    y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[1]], scale, eps)
+    y, rstd = _FUSED_RMS_NORM(x, [x.shape[1]], scale, eps)
     return (y, rstd.view(-1).float()) if training else (y, None)
 
 
@@ -50,22 +60,27 @@ def _cudnn_forward(x, weight, eps, training):
     """``(y, rstd)`` from the cuDNN graph (``rstd`` ``None`` when not training), or ``None``
     when cuDNN declines. The hot path of every call: keep it lean."""
     scale, _, scale_dtype = _dispatch.forward_params(x, weight, None, has_bias=False)
-    x, spec, plan = _call_plans.rows_spec_plan(_OP, "train" if training else "infer", x, scale_dtype)
+    x, plan = _call_plans.rows_plan(_OP, "train" if training else "infer", x, scale_dtype)
     if plan is None:
         return None
     y = torch.empty_like(x)  # x's rows are cuDNN-ready: y comes out packed [M, N]
-    if not training:
-        plan.run(x, scale, host_scalar(eps, spec), y)
-        return y, None
-    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    plan.run(x, scale, host_scalar(eps, spec), y, rstd)
+    rstd = torch.empty(x.shape[0], dtype=_F32, device=x.device) if training else None
+    eps_holder, eps_address = eps_scalar(eps)  # the holder keeps the host scalar alive until the launch
+    if type(plan) is Plan:
+        pointers = [x.data_ptr(), scale.data_ptr(), eps_address, y.data_ptr()]
+        if training:
+            pointers.append(rstd.data_ptr())
+        plan.launch(pointers)
+    else:
+        plan.run(x, scale, eps_holder, y, *(() if rstd is None else (rstd,)))
     return y, rstd
 
 
 def _infer(x, weight, eps) -> torch.Tensor:
     """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
-    out = _gpu_forward(x, weight, eps, False) if _dispatch.route(x) is None else None
-    return out[0] if out is not None else _torch_forward(x, weight, eps, False)[0]
+    if _dispatch.route(x) is None:
+        return _gpu_forward(x, weight, eps, False)[0]
+    return _torch_forward(x, weight, eps, False)[0]
 
 
 def _torch_forward(x, weight, eps, training):
@@ -76,20 +91,27 @@ def _torch_forward(x, weight, eps, training):
     y = xf * rstd.unsqueeze(1)
     if weight is not None:
         y = y * weight.to(_dispatch.forward_param_dtype(x, weight)).float()
-    return y.to(x.dtype), rstd if training else x.new_empty(_EMPTY, dtype=torch.float32)
+    return y.to(x.dtype), rstd if training else x.new_empty(_EMPTY, dtype=_F32)
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N] fp32)``."""
-    m, n = x.shape
+                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward on ``[M, N]``. Returns ``(dx x.dtype, dweight [N])``, dW accumulated in fp32
+    and rounded once into the weight's dtype (fp32 without a weight)."""
+    wdtype = _dispatch.backward_scale_dtype(weight)
     if _dispatch.route(x) is None:
-        x, spec, plan = _call_plans.rows_spec_plan(_OP, "bwd", x, torch.float32)
+        x, plan = _call_plans.rows_plan(_OP, "bwd", x, wdtype)
         if plan is not None:
-            scale = _dispatch.constant(1.0, n, torch.float32, x.device) if weight is None else weight.float()
+            n = x.shape[1]
+            scale = _dispatch.constant(1.0, n, _F32, x.device) if weight is None else weight
+            dy = _dispatch.packed(dy)
             dx = torch.empty_like(x)
-            dw = torch.empty(n, dtype=torch.float32, device=x.device)
-            plan.run(x, scale, dy.contiguous(), rstd, dx, dw)
+            dw = torch.empty(n, dtype=wdtype, device=x.device)
+            if type(plan) is Plan:
+                plan.launch([x.data_ptr(), scale.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                             dw.data_ptr()])
+            else:
+                plan.run(x, scale, rstd, dy, dx, dw)
             return dx, dw
     return _torch_backward(dy, x, weight, rstd)
 
@@ -100,28 +122,29 @@ def _torch_backward(dy, x, weight, rstd):
     xhat = x.float() * rstd.unsqueeze(1)
     g = dyf if weight is None else dyf * weight.float()
     dx = rstd.unsqueeze(1) * (g - xhat * (g * xhat).mean(dim=1, keepdim=True))
-    return dx.to(x.dtype), (dyf * xhat).sum(0)
+    return dx.to(x.dtype), (dyf * xhat).sum(0).to(_dispatch.backward_scale_dtype(weight))
 
 
-rms_norm_fwd = torch.library.custom_op("cudnorm::rms_norm_fwd", _forward, mutates_args=())
-rms_norm_bwd = torch.library.custom_op("cudnorm::rms_norm_bwd", _backward_impl, mutates_args=())
-
-
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, training):
+def _fake_forward(x, weight, eps, training):
     m, n = x.shape
-    return x.new_empty((m, n)), x.new_empty((m,) if training else _EMPTY, dtype=torch.float32)
+    return x.new_empty((m, n)), x.new_empty((m,) if training else _EMPTY, dtype=_F32)
 
 
-@rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd):
-    return x.new_empty(x.shape), x.new_empty((x.shape[1],), dtype=torch.float32)
+def _fake_backward(dy, x, weight, rstd):
+    return x.new_empty(x.shape), x.new_empty((x.shape[1],), dtype=_dispatch.backward_scale_dtype(weight))
+
+
+rms_norm_fwd = _dispatch.define_op(
+    "rms_norm_fwd", "(Tensor x, Tensor? weight, float eps, bool training) -> (Tensor, Tensor)",
+    _forward, _fake_forward)
+rms_norm_bwd = _dispatch.define_op(
+    "rms_norm_bwd", "(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor, Tensor)",
+    _backward_impl, _fake_backward)
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, eps, training = inputs
-    _, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
+    ctx.save_for_backward(x, weight, output[1])
 
 
 def _make_backward(backward_fn):
@@ -134,12 +157,12 @@ def _make_backward(backward_fn):
             raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
         dx, dw = backward_fn(dy, x, weight, rstd)
-        return dx, None if weight is None else dw.to(weight.dtype), None, None
+        return dx, None if weight is None else dw, None, None
 
     return backward
 
 
-_dispatch.register_autograd(rms_norm_fwd, _setup_context, _make_backward(rms_norm_bwd))
+_dispatch.register_autograd("rms_norm_fwd", _setup_context, _make_backward(rms_norm_bwd))
 _RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup_context,
                                             _make_backward(_backward_impl))
 

@@ -118,7 +118,9 @@ def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dt
     param = None if weight_dtype is None else torch.empty(cols, dtype=weight_dtype, device="meta")
     has_bias = op == "layer_norm"
     _, _, scale_dtype = _dispatch.forward_params(x, param, param if has_bias else None, has_bias=has_bias)
-    return [_dispatch.spec_for(op, phase, x, scale_dtype, device_index) for phase in phases]
+    backward_dtype = _dispatch.backward_scale_dtype(param)
+    return [_dispatch.spec_for(op, phase, x, backward_dtype if phase == "bwd" else scale_dtype, device_index)
+            for phase in phases]
 
 
 def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, device_index: int,

@@ -76,13 +76,15 @@ def test_rms_norm_default_eps_is_dtype_eps():
     torch.testing.assert_close(cudnorm.rms_norm(x, (64,)), F.rms_norm(x, (64,)))
 
 
-def test_inference_phase_returns_no_stats_and_training_does():
-    x = torch.randn(8, 64)
-    _, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
-    assert mean.numel() == 0 and rstd.numel() == 0
-    _, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, True)
-    torch.testing.assert_close(mean, x.mean(-1))
-    torch.testing.assert_close(rstd, torch.rsqrt(x.var(-1, correction=0) + 1e-5))
+@pytest.mark.parametrize("rows", [8, 7])  # 7: the statistics rows are padded to 8 (16-byte aligned rstd)
+def test_inference_phase_returns_no_stats_and_training_does(rows):
+    x = torch.randn(rows, 64)
+    _, stats = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
+    assert stats.numel() == 0
+    _, stats = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, True)
+    assert stats.shape == (2, 8)
+    torch.testing.assert_close(stats[0, :rows], x.mean(-1))
+    torch.testing.assert_close(stats[1, :rows], torch.rsqrt(x.var(-1, correction=0) + 1e-5))
 
 
 def test_modules_are_drop_in_and_state_dict_compatible():
@@ -118,7 +120,9 @@ def test_modules_compile_fullgraph_and_train():
     (torch.ops.cudnorm.rms_norm_fwd.default, lambda: (torch.randn(8, 64, requires_grad=True),
                                                       torch.randn(64, requires_grad=True), 1e-6, True)),
     (torch.ops.cudnorm.layer_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), None,
-                                                        torch.randn(8), torch.rand(8))),
+                                                        torch.rand(2, 8))),
+    (torch.ops.cudnorm.layer_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64),
+                                                        torch.randn(64, dtype=torch.bfloat16), torch.rand(2, 8))),
     (torch.ops.cudnorm.rms_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), torch.randn(64),
                                                       torch.rand(8))),
 ])
@@ -154,7 +158,7 @@ def test_errors_name_op_and_argument(call, exc, words):
 
 def test_backward_through_inference_forward_is_refused():
     x = torch.randn(4, 8, requires_grad=True)
-    y, mean, rstd = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
+    y, stats = torch.ops.cudnorm.layer_norm_fwd(x, None, None, 1e-5, False)
     with pytest.raises(RuntimeError, match="inference-phase forward"):
         y.sum().backward()
 

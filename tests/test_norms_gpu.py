@@ -262,8 +262,9 @@ def test_misaligned_contiguous_view_is_served_correctly():
 _OUTPUT_ROLES = {"y", "dx", "dscale", "dbias"}
 
 
-@pytest.mark.parametrize("case", ["ln_train_autotuned", "ln_infer", "ln_bwd", "rms_train", "rms_bwd", "ada_train",
-                                  "ln_train_dynamic", "ln_bwd_deserialized"])
+@pytest.mark.parametrize("case", ["ln_train_autotuned", "ln_infer", "ln_bwd", "ln_bwd_bf16_weight", "rms_train",
+                                  "rms_bwd", "rms_bwd_bf16_weight", "ada_train", "ada_bwd", "ln_train_dynamic",
+                                  "ln_bwd_deserialized"])
 def test_raw_execute_matches_public_execute(case):
     """The raw-pointer launcher (RawExecute) writes exactly what the public execute writes."""
     from cudnorm import _graphs
@@ -274,6 +275,9 @@ def test_raw_execute_matches_public_execute(case):
         "ln_train_autotuned": NormSpec("layer_norm", "train", 2048, 1024, bf16, bf16, 0, autotune=True),
         "ln_infer": NormSpec("layer_norm", "infer", 1000, 768, torch.float16, f32, 0),
         "ln_bwd": NormSpec("layer_norm", "bwd", 2048, 1024, bf16, f32, 0),
+        "ln_bwd_bf16_weight": NormSpec("layer_norm", "bwd", 2048, 1024, bf16, bf16, 0),
+        "rms_bwd_bf16_weight": NormSpec("rms_norm", "bwd", 4096, 4096, bf16, bf16, 0),
+        "ada_bwd": NormSpec("ada_layer_norm", "bwd", 2 * 256, 1152, bf16, bf16, 0, batch=2),
         "rms_train": NormSpec("rms_norm", "train", 4096, 4096, bf16, bf16, 0),
         "rms_bwd": NormSpec("rms_norm", "bwd", 4096, 4096, bf16, f32, 0),
         "ada_train": NormSpec("ada_layer_norm", "train", 4 * 256, 1152, bf16, bf16, 0, batch=4),
@@ -289,12 +293,13 @@ def test_raw_execute_matches_public_execute(case):
     roles = _graphs.roles(spec)
     outputs = [i for i, r in enumerate(roles) if r in _OUTPUT_ROLES or (spec.phase == "train" and r in ("mean", "rstd"))]
     results = []
-    for run in (plan.run, plan.run_public):
+    for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, plan.run_public):
         for i in outputs:
             buffers[i].fill_(float("nan"))
         run(*buffers)
         torch.cuda.synchronize()
         results.append([buffers[i].clone() for i in outputs])
-    for i, raw, public in zip(outputs, *results):
+    for i, launched, raw, public in zip(outputs, *results):
         assert not raw.isnan().any(), roles[i]
+        assert torch.equal(launched, raw), f"{case}: {roles[i]} differs between launch by address and run"
         assert torch.equal(raw, public), f"{case}: {roles[i]} differs between raw and public execute"

@@ -77,7 +77,7 @@ class FakeAddressPlan(FakePlan):
 
     raw = True
 
-    def run_pointers(self, pointers):
+    def launch(self, pointers):
         spec = self.spec
         tensors = []
         for (role, (shape, dtype)), address in zip(_graphs.buffer_shapes(spec).items(), pointers, strict=True):

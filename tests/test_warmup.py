@@ -57,14 +57,14 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, cudnorm_env, tmp_pa
 
 
 @pytest.mark.parametrize("fwd, bwd", [("auto", "auto"), ("cudnn", "cudnn"), ("per_sample", "per_sample"),
-                                      ("per_sample", "per_sample_graph"), ("per_sample_graph", "cudnn"),
-                                      ("cudnn_graph", "per_sample_graph"),
+                                      ("per_sample", "cudnn"), ("cudnn", "per_sample"),
                                       ("torch", "cudnn"), ("cudnn", "torch")])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fresh_cache, fwd, bwd, scale_dtype):
     # plans that run nothing: each op takes its first strategy, as it would on a GPU
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
-    monkeypatch.setattr(_dispatch, "_build", lambda spec: types.SimpleNamespace(spec=spec, run=lambda *a: None))
+    monkeypatch.setattr(_dispatch, "_build", lambda spec: types.SimpleNamespace(
+        spec=spec, run=lambda *a: None, launch=lambda pointers: None, raw=None, workspace_size=0))
     cudnorm_env("CUDNORM_ADA_FWD", fwd)
     cudnorm_env("CUDNORM_ADA_BWD", bwd)
     b, s, d = 2, 8, 64
@@ -157,9 +157,10 @@ def test_dit_preset(cudnorm_env):
     cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
     cudnorm_env("CUDNORM_ADA_BWD", "cudnn")
     sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
+    # 333 text tokens: a sample's statistics would start misaligned, so cuDNN's AdaLN forward serves them
     assert {(s.op, s.phase, s.rows) for s in sd3} == {
-        ("layer_norm", "train", 4096), ("layer_norm", "infer", 4096), ("layer_norm", "train", 333),
-        ("layer_norm", "infer", 333), ("ada_layer_norm", "bwd", 2 * 4096), ("ada_layer_norm", "bwd", 2 * 333)}
+        ("layer_norm", "train", 4096), ("layer_norm", "infer", 4096), ("ada_layer_norm", "train", 2 * 333),
+        ("ada_layer_norm", "infer", 2 * 333), ("ada_layer_norm", "bwd", 2 * 4096), ("ada_layer_norm", "bwd", 2 * 333)}
 
 
 @pytest.mark.parametrize("name", sorted(warmup_mod.PRESETS))

@@ -8,6 +8,7 @@ Run::
     cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack --shapes 32768x4096
     cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
     cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNG, reprint
+    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, Llama, GPT-2): models.py
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
 
@@ -77,6 +78,9 @@ def add_arguments(parser) -> None:
                         help="CUDA-graph section (GPU; on by default in a full run)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="host us/call section (GPU; on by default in a full run)")
+    parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
+                        help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
+                             "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
     parser.add_argument("--from-csv", metavar="CSV",
                         help="run nothing: redraw the PNG and reprint the tables of a bench.csv")
 
@@ -97,7 +101,9 @@ def _device_slug(device: str) -> str:
 
 
 def _command(args) -> str:
-    parts = ["cudnorm", "bench"] + (["--quick"] if args.quick else [])
+    models = getattr(args, "models", None)
+    parts = ["cudnorm", "bench"] + (["--models"] + ([] if models == "all" else [models]) if models else [])
+    parts += ["--quick"] if args.quick else []
     for flag in ("ops", "providers", "shapes", "dtype", "out"):
         value = getattr(args, flag)
         if value and not (flag == "dtype" and value == "bf16"):
@@ -128,8 +134,15 @@ def _cuda_graph_section(out: Path):
 
 def _host_overhead_section(out: Path):
     results, how = host_overhead.bench()
-    report.write_csv(results, out / "host_overhead.csv", columns=("call", "us_per_call"))
+    report.write_csv(results, out / "host_overhead.csv", columns=host_overhead.COLUMNS)
     return how, host_overhead.table(results)
+
+
+def _host_breakdown_section(out: Path):
+    results = host_overhead.breakdown()
+    report.write_csv(results, out / "host_breakdown.csv", columns=("call", "stage", "us"))
+    lines = [["call", "stage", "host us"]] + [[r["call"], r["stage"], f"{r['us']:.1f}"] for r in results]
+    return host_overhead.BREAKDOWN_HOW, lines
 
 
 def _extras(args, device: str, out: Path) -> list[tuple[str, str, list]]:
@@ -138,7 +151,8 @@ def _extras(args, device: str, out: Path) -> list[tuple[str, str, list]]:
     in its section and the benchmark goes on."""
     plain = not (args.quick or args.ops or args.providers or args.shapes)
     wanted = [("CUDA graphs: training step, eager vs replay", args.cuda_graph, _cuda_graph_section),
-              ("Host overhead per call", args.host_overhead, _host_overhead_section)]
+              ("Host time per call, same and fresh tensors", args.host_overhead, _host_overhead_section),
+              ("Where the host time of a call goes", args.host_overhead, _host_breakdown_section)]
     sections = []
     for title, asked, section in wanted:
         if device != "cuda":
@@ -178,6 +192,11 @@ def run(args) -> int:
 
     if args.from_csv:
         return _from_csv(Path(args.from_csv))
+    if getattr(args, "models", None):
+        from . import models  # noqa: PLC0415 - imports this package's helpers
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return models.run(args, Path(args.out or Path("benchmarks") / "results" / _device_slug(device)))
 
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,71 +1,235 @@
-"""Host cost per call of a small LayerNorm, where the GPU work (~2-3 us) is below it."""
+"""Host time per call of every op and direction, with the same tensors every call and with
+fresh ones, beside PyTorch's own op.
+
+A model makes new activations every step, so a cost that appears only when addresses change
+(a capture, a cache keyed on pointers, an allocation) shows up in the fresh column. Each
+figure is the wall time of ``CALLS`` calls enqueued while a sleeping kernel keeps the stream
+busy, divided by ``CALLS``: the calls only enqueue work, so this is host time, whatever the
+GPU time of the work. Median of 5 rounds.
+
+Directions: ``fwd-infer`` (under ``torch.no_grad()``), ``fwd-train`` (grad mode, inputs
+requiring grad: builds the autograd node), ``bwd`` (``torch.autograd.backward`` of one
+forward's output: the autograd engine's fixed cost included, as a training step pays it).
+For ``bwd`` the fresh column runs each call on its own forward graph made beforehand; the
+same column runs one graph again (``retain_graph=True``).
+"""
 
 from __future__ import annotations
 
-import importlib
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .cuda_graph import wall_us_per_call
+CALLS = 40
+ROUNDS = 5
+POOL = 64  # distinct input sets cycled by the fresh column
+SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS calls of any case here
 
-HOW = ("Each entry: {iters} back-to-back calls of layer_norm on x [{rows}, {cols}] bf16 (weight and bias "
-       "as said, eps 1e-5) under torch.no_grad() (inference graph), after 20 warm-up calls, with no "
-       "synchronisation inside the loop and one torch.cuda.synchronize() after it; us/call = wall "
-       "time / {iters}. The GPU work per call is shorter than the host work, so this is the host cost "
-       "(launch queue permitting). 'Plan.run' calls the cached cuDNN plan of the first entry directly: "
-       "the floor under cudnorm's Python-side dispatch.")
-
-
-def _plan_call(x, weight, bias, eps, y):
-    """A zero-arg ``Plan.run`` of the cached inference plan for ``x`` (``None`` if none)."""
-    from .. import _cache, _dispatch, _graphs  # noqa: PLC0415
-
-    rows, cols = x.shape
-    specs = [s for s in _cache.plans.specs()
-             if (s.op, s.phase, s.rows, s.cols, s.x_dtype, s.scale_dtype)
-             == ("layer_norm", "infer", rows, cols, x.dtype, weight.dtype)]
-    plan = _dispatch.get_plan(specs[-1]) if specs else None
-    if plan is None:
-        return None
-    by_role = {"x": x, "scale": weight, "bias": bias, "eps": _graphs.host_scalar(eps, plan.spec), "y": y}
-    buffers = [by_role[role] for role in _graphs.roles(plan.spec)]
-    return lambda: plan.run(*buffers)
+HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
+       "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
+       "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
+       "fresh = a forward graph per call. torch = PyTorch's own op (F.layer_norm, F.rms_norm, and the eager "
+       "AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`). Shapes: LN/RMS {rows}x{cols} "
+       "bf16 with bf16 weights; AdaLN {ada} bf16 with scale/shift chunks of one [B, 6D] tensor (DiT).")
 
 
-def bench(rows: int = 64, cols: int = 4096, iters: int = 2000) -> tuple[list[dict], str]:
-    """``([{"call", "us_per_call"}], how it was measured)`` on the current CUDA device."""
+def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | None = None) -> float:
+    """Median over ``rounds`` (default :data:`ROUNDS`) of the wall time per call of ``calls``
+    (default :data:`CALLS`) calls of ``fn`` enqueued behind a sleeping kernel."""
+    calls, rounds = calls or CALLS, rounds or ROUNDS
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2]
+
+
+def _dit_formula(x, scale, shift):
+    return F.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _ops(rows: int, cols: int, ada_shape: tuple[int, int, int]):
+    """``(op, provider, make_inputs, forward)``: ``make_inputs(requires_grad)`` returns a fresh
+    input tuple, ``forward(*inputs)`` the output."""
     import cudnorm  # noqa: PLC0415
 
-    eps = 1e-5
-    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-    w32, b32 = torch.randn(cols, device="cuda"), torch.randn(cols, device="cuda")
-    w16, b16 = w32.to(x.dtype), b32.to(x.dtype)
-    calls = [
-        ("cudnorm.layer_norm, bf16 weight", lambda: cudnorm.layer_norm(x, (cols,), w16, b16, eps)),
-        ("cudnorm.layer_norm, fp32 weight", lambda: cudnorm.layer_norm(x, (cols,), w32, b32, eps)),
-        ("torch F.layer_norm, bf16 weight", lambda: F.layer_norm(x, (cols,), w16, b16, eps)),
+    dev, bf16 = "cuda", torch.bfloat16
+    w = torch.randn(cols, device=dev, dtype=bf16, requires_grad=True)
+    b = torch.randn(cols, device=dev, dtype=bf16, requires_grad=True)
+
+    def rows_input(grad):
+        return (torch.randn(rows, cols, device=dev, dtype=bf16, requires_grad=grad),)
+
+    bsz, seq, dim = ada_shape
+
+    def ada_input(grad):
+        x = torch.randn(bsz, seq, dim, device=dev, dtype=bf16, requires_grad=grad)
+        emb = (0.1 * torch.randn(bsz, 6 * dim, device=dev, dtype=bf16)).requires_grad_(grad)
+        shift, scale = emb.chunk(6, dim=1)[:2]
+        return x, scale, shift
+
+    return [
+        ("layer_norm", "cudnorm", rows_input, lambda x: cudnorm.layer_norm(x, (cols,), w, b)),
+        ("layer_norm", "torch", rows_input, lambda x: F.layer_norm(x, (cols,), w, b)),
+        ("rms_norm", "cudnorm", rows_input, lambda x: cudnorm.rms_norm(x, (cols,), w, 1e-6)),
+        ("rms_norm", "torch", rows_input, lambda x: F.rms_norm(x, (cols,), w, 1e-6)),
+        ("ada_layer_norm", "cudnorm", ada_input,
+         lambda x, scale, shift: cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)),
+        ("ada_layer_norm", "torch", ada_input, _dit_formula),
     ]
-    try:
-        ops = importlib.import_module("cudnn.ops.norm")
-        calls.append(("cudnn.ops.norm.layer_norm, fp32 weight (training graph)",
-                      lambda: ops.layer_norm(x, (cols,), w32, b32, eps)))
-    except Exception:  # noqa: BLE001 - the upstream op is optional
-        pass
-    results = []
+
+
+def _cycle(items: list):
+    state = [0]
+
+    def take():
+        state[0] = (state[0] + 1) % len(items)
+        return items[state[0]]
+
+    return take
+
+
+def _measure(make, forward) -> dict[str, float]:
+    """``{"<direction> same|fresh": us}`` for one op and provider."""
+    out = {}
+    fixed = make(False)
+    pool = [make(False) for _ in range(POOL)]
     with torch.no_grad():
-        calls[0][1]()  # builds and caches the plan that Plan.run reuses
-        plan_call = _plan_call(x, w16, b16, eps, torch.empty_like(x))
-        if plan_call is not None:
-            calls.insert(2, ("Plan.run of the cached plan (bf16 weight)", plan_call))
-        for name, fn in calls:
-            results.append({"call": name, "us_per_call": wall_us_per_call(fn, iters)})
-    if plan_call is None:
-        path = cudnorm.serving_path("layer_norm", x)
-        results.append({"call": f"Plan.run: no cached cuDNN plan (layer_norm served by {path})", "us_per_call": None})
-    return results, HOW.format(iters=iters, rows=rows, cols=cols)
+        forward(*fixed)  # builds plans, warms caches
+        out["fwd-infer same"] = host_us(lambda: forward(*fixed))
+        take = _cycle(pool)
+        out["fwd-infer fresh"] = host_us(lambda: forward(*take()))
+    leaves = make(True)
+    grad_pool = [make(True) for _ in range(POOL)]
+    forward(*leaves)
+    out["fwd-train same"] = host_us(lambda: forward(*leaves))
+    take = _cycle(grad_pool)
+    out["fwd-train fresh"] = host_us(lambda: forward(*take()))
+    y = forward(*leaves)
+    dy = torch.randn_like(y)
+    torch.autograd.backward(y, dy, retain_graph=True)
+    out["bwd same"] = host_us(lambda: torch.autograd.backward(y, dy, retain_graph=True))
+    samples = []
+    for _ in range(ROUNDS):  # a forward graph per call, made before the timed region
+        outputs = _cycle([forward(*grad_pool[k % POOL]) for k in range(CALLS)])
+        samples.append(host_us(lambda: torch.autograd.backward(outputs(), dy), rounds=1))
+    out["bwd fresh"] = sorted(samples)[len(samples) // 2]
+    for t in (*leaves, *(t for item in grad_pool for t in item)):
+        t.grad = None
+    return out
+
+
+def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)
+          ) -> tuple[list[dict], str]:
+    """``([{"op", "direction", "provider", "same_us", "fresh_us"}], how it was measured)`` on the
+    current CUDA device."""
+    results = []
+    for op, provider, make, forward in _ops(rows, cols, ada_shape):
+        measured = _measure(make, forward)
+        for direction in ("fwd-infer", "fwd-train", "bwd"):
+            results.append({"op": op, "direction": direction, "provider": provider,
+                            "same_us": measured[f"{direction} same"], "fresh_us": measured[f"{direction} fresh"]})
+    torch_fresh = {(r["op"], r["direction"]): r["fresh_us"] for r in results if r["provider"] == "torch"}
+    for r in results:
+        r["vs_torch"] = r["fresh_us"] / torch_fresh[(r["op"], r["direction"])]
+    how = HOW.format(calls=CALLS, rounds=ROUNDS, pool=POOL, rows=rows, cols=cols, ada="x".join(map(str, ada_shape)))
+    return results, how
+
+
+COLUMNS = ("op", "direction", "provider", "same_us", "fresh_us", "vs_torch")
 
 
 def table(results: list[dict]) -> list[list[str]]:
-    return [["call", "us/call"]] + [
-        [r["call"], "-" if r["us_per_call"] is None else f"{r['us_per_call']:.1f}"] for r in results]
+    """One row per op, direction and provider; ``x torch`` is the fresh figure over torch's."""
+    lines = [["op", "direction", "provider", "same us", "fresh us", "x torch (fresh)"]]
+    for r in results:
+        lines.append([r["op"], r["direction"], r["provider"], f"{r['same_us']:.1f}", f"{r['fresh_us']:.1f}",
+                      f"{r['vs_torch']:.2f}"])
+    return lines
+
+
+BREAKDOWN_HOW = ("Host us of each stage of cudnorm's path timed alone, as host_overhead does (same tensors, GPU "
+                 "held busy), beside the whole call and PyTorch's own; the stages are not additive to the "
+                 "microsecond (each is timed with its own Python call around it).")
+
+
+def breakdown(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)) -> list[dict]:
+    """Where the host time of a call goes: each stage of cudnorm's path timed alone (same
+    tensors, GPU held busy), beside the whole call. ``[{"call", "stage", "us"}]``."""
+    import importlib  # noqa: PLC0415
+
+    import cudnorm  # noqa: PLC0415
+    from .. import _call_plans, _checks, _dispatch, _runtime  # noqa: PLC0415
+
+    # the modules, not the package's functions of the same names
+    ada = importlib.import_module("cudnorm.ada_layer_norm")
+    ln = importlib.import_module("cudnorm.layer_norm")
+
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(rows, cols, device=dev, dtype=bf16, requires_grad=True)
+    w = torch.randn(cols, device=dev, dtype=bf16, requires_grad=True)
+    b = torch.randn(cols, device=dev, dtype=bf16, requires_grad=True)
+    params = {"weight": w, "bias": b}
+    y = cudnorm.layer_norm(x, (cols,), w, b)
+    dy = torch.randn_like(y)
+    xd = x.detach()
+    _, plan = _call_plans.rows_plan("layer_norm", "train", xd, bf16)
+    stats = _dispatch.stats_buffer(rows, 2, xd.device)
+    out = torch.empty_like(xd)
+    pointers = [xd.data_ptr(), w.data_ptr(), b.data_ptr(), ln.eps_scalar(1e-5)[1], out.data_ptr(), stats.data_ptr(),
+                stats.data_ptr() + 4 * stats.shape[1]]
+    state, workspace = _runtime.launch_context(0, plan.workspace_size)
+    saved = y.grad_fn.saved_tensors
+    stages = [
+        ("layer_norm fwd-train", "argument checks", lambda: _checks.norm_call("layer_norm", x, (cols,), params, 1e-5)),
+        ("layer_norm fwd-train", "plan lookup (signature memo)",
+         lambda: _call_plans.rows_plan("layer_norm", "train", xd, bf16)),
+        ("layer_norm fwd-train", "allocate y and stats",
+         lambda: (torch.empty_like(xd), _dispatch.stats_buffer(rows, 2, xd.device))),
+        ("layer_norm fwd-train", "cuDNN execute (raw, prebuilt addresses)",
+         lambda: plan.raw.launch(pointers, workspace, state.backend)),
+        ("layer_norm fwd-train", "Plan.launch (stream, workspace, address array, execute)",
+         lambda: plan.launch(pointers)),
+        ("layer_norm fwd-train", "implementation (_forward, no autograd node)",
+         lambda: ln._forward(xd, w.detach(), b.detach(), 1e-5, True)),
+        ("layer_norm fwd-train", "whole call (autograd node included)", lambda: cudnorm.layer_norm(x, (cols,), w, b)),
+        ("layer_norm fwd-train", "torch F.layer_norm", lambda: F.layer_norm(x, (cols,), w, b)),
+        ("layer_norm bwd", "implementation (_backward_impl)", lambda: ln._backward_impl(dy, *saved)),
+        ("layer_norm bwd", "whole backward (autograd engine)",
+         lambda: torch.autograd.backward(y, dy, retain_graph=True)),
+    ]
+    bsz, seq, dim = ada_shape
+    xa = torch.randn(bsz, seq, dim, device=dev, dtype=bf16, requires_grad=True)
+    emb = (0.1 * torch.randn(bsz, 6 * dim, device=dev, dtype=bf16)).requires_grad_(True)
+    shift, scale = emb.chunk(6, dim=1)[:2]
+    ya = cudnorm.ada_layer_norm(xa, scale, shift, 1e-6, one_plus_scale=True)
+    dya = torch.randn_like(ya)
+    xs, ss, hs = xa.detach(), scale.detach(), shift.detach()
+    asaved = ya.grad_fn.saved_tensors
+    stages += [
+        ("ada_layer_norm fwd-train", "gain kernel 1 + scale", lambda: ada._gain(ss, True, bf16)),
+        ("ada_layer_norm fwd-train", "pack the shift chunk", lambda: ada._shift(hs, bf16)),
+        ("ada_layer_norm fwd-train", "implementation (_forward)", lambda: ada._forward(xs, ss, hs, 1e-6, True, True)),
+        ("ada_layer_norm fwd-train", "whole call", lambda: cudnorm.ada_layer_norm(xa, scale, shift, 1e-6,
+                                                                                   one_plus_scale=True)),
+        ("ada_layer_norm fwd-train", "torch eager formula", lambda: _dit_formula(xa, scale, shift)),
+        ("ada_layer_norm bwd", "implementation (_backward_impl)",
+         lambda: ada._backward_impl(dya, *asaved, True, bf16)),
+        ("ada_layer_norm bwd", "whole backward (autograd engine)",
+         lambda: torch.autograd.backward(ya, dya, retain_graph=True)),
+    ]
+    ye = _dit_formula(xa, scale, shift)
+    stages.append(("ada_layer_norm bwd", "torch eager formula backward",
+                   lambda: torch.autograd.backward(ye, dya, retain_graph=True)))
+    results = []
+    for call, stage, fn in stages:
+        fn()
+        results.append({"call": call, "stage": stage, "us": host_us(fn)})
+    return results

@@ -68,13 +68,15 @@ print("y matches PyTorch:", tuple(y.shape), y.dtype)
 
 # %% [markdown]
 # The training-phase forward also writes the per-token mean and inverse standard deviation
-# (fp32) that the backward reads. The functional API keeps them inside autograd; the custom
-# op underneath returns them, so we can check them as well.
+# (fp32) that the backward reads. The functional API keeps them inside autograd; the op
+# underneath returns them in one buffer (mean in row 0, rstd in row 1, each padded to a
+# multiple of 4 tokens so that both rows start 16-byte aligned), so we can check them as well.
 
 # %%
 with torch.no_grad():
-    _, mean, rstd = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale.view(batch, dim), shift.view(batch, dim), eps,
-                                                         False, True)
+    _, stats = torch.ops.cudnorm.ada_layer_norm_fwd(x, scale.view(batch, dim), shift.view(batch, dim), eps,
+                                                    False, True)
+mean, rstd = stats[0, :x[..., 0].numel()], stats[1, :x[..., 0].numel()]
 x32 = x.detach().float()
 mean_ref = x32.mean(-1).flatten()
 rstd_ref = torch.rsqrt(x32.var(-1, correction=0) + eps).flatten()  # population variance

@@ -1,0 +1,442 @@
+"""The models of ``cudnorm bench --models``: DiT (adaLN-Zero), a Llama-style decoder and a
+GPT-2-style LayerNorm stack, each built with a *norm factory* so that providers differ only
+in their norms; the :class:`Case` s (configurations) of the full and the quick run; and
+:func:`norm_work`, one step's norm calls alone (for ``norm_ms``).
+
+Every builder seeds ``torch.manual_seed(0)`` first and no norm consumes random numbers at
+construction (PyTorch's, cudnorm's and Liger's norms start at ones/zeros), so every
+provider's model has the same weights. The norms' weights (and LayerNorm biases) are then
+set from their own seeded generator, as a trained model's would be: with unit weights the
+loss ``mean(final_norm(x) ** 2)`` would not depend on ``x`` at all, and every gradient
+before the final norm would be rounding noise. Shapes: ``B`` batch, ``S`` tokens, ``D`` width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------------------------------
+# Norm factories, per provider. A factory returns a new norm module (LayerNorm/RMSNorm) or,
+# for DiT, the modulated-norm function ``norm_mod(x, shift, scale)``.
+
+
+def torch_norm_mod(eps: float = 1e-6) -> Callable:
+    """DiT's eager ``modulate(norm(x), shift, scale)``: ``x [B, S, D]``, shift/scale ``[B, D]``."""
+    def norm_mod(x, shift, scale):
+        # F.layer_norm without weight/bias is what nn.LayerNorm(D, elementwise_affine=False) runs
+        return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+    return norm_mod
+
+
+def cudnorm_norm_mod(eps: float = 1e-6) -> Callable:
+    """The same formula as :func:`torch_norm_mod`, fused by ``cudnorm.ada_layer_norm``."""
+    import cudnorm  # noqa: PLC0415
+
+    def norm_mod(x, shift, scale):
+        return cudnorm.ada_layer_norm(x, scale, shift, eps=eps, one_plus_scale=True)
+
+    return norm_mod
+
+
+def _liger_rms_norm(hidden: int, eps: float) -> nn.Module:
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: PLC0415
+
+    # casting_mode="llama": rstd in fp32, the normalised x cast to x's dtype, then times the
+    # weight -- nn.RMSNorm's order. in_place=False: its backward must not overwrite dy.
+    return LigerRMSNorm(hidden, eps=eps, offset=0.0, casting_mode="llama", in_place=False)
+
+
+def _liger_layer_norm(hidden: int, eps: float) -> nn.Module:
+    from liger_kernel.transformers.layer_norm import LigerLayerNorm  # noqa: PLC0415
+
+    # bias=False only means "start the bias at zeros" (no random init): it is still learned
+    return LigerLayerNorm(hidden, eps=eps, bias=False)
+
+
+def _cudnorm_module(name: str):
+    def make(hidden: int, eps: float) -> nn.Module:
+        import cudnorm  # noqa: PLC0415
+
+        return getattr(cudnorm, name)(hidden, eps=eps)
+
+    return make
+
+
+# (norm, provider) -> factory(hidden, eps): the module computing what PyTorch's own computes
+_NORM_FACTORIES = {
+    ("rms", "torch"): lambda hidden, eps: nn.RMSNorm(hidden, eps=eps),
+    ("rms", "cudnorm"): _cudnorm_module("RMSNorm"),
+    ("rms", "liger"): _liger_rms_norm,
+    ("ln", "torch"): lambda hidden, eps: nn.LayerNorm(hidden, eps=eps),
+    ("ln", "cudnorm"): _cudnorm_module("LayerNorm"),
+    ("ln", "liger"): _liger_layer_norm,
+}
+
+
+def rms_factory(provider: str) -> Callable[[int, float], nn.Module]:
+    """``factory(hidden, eps)`` -> an RMSNorm computing what ``nn.RMSNorm`` computes."""
+    return _NORM_FACTORIES[("rms", provider)]
+
+
+def ln_factory(provider: str) -> Callable[[int, float], nn.Module]:
+    """``factory(hidden, eps)`` -> an affine LayerNorm (weight ones, bias zeros)."""
+    return _NORM_FACTORIES[("ln", provider)]
+
+
+# ---------------------------------------------------------------------------------------
+# DiT
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero DiT block (as in facebookresearch/DiT ``models.py``), norms from ``norm_mod``.
+
+    ``forward(x, c)``: ``x [B, S, D]`` tokens, ``c [B, D]`` conditioning; returns ``[B, S, D]``.
+    """
+
+    def __init__(self, dim: int, heads: int, norm_mod: Callable) -> None:
+        super().__init__()
+        self.heads, self.norm_mod = heads, norm_mod
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        # DiT starts these at zero (identity blocks); small random weights make outputs and
+        # gradients depend on every norm, so the equivalence check means something
+        nn.init.normal_(self.adaLN_modulation[1].weight, std=0.02)
+        nn.init.zeros_(self.adaLN_modulation[1].bias)
+
+    def attn(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa[:, None] * self.attn(self.norm_mod(x, shift_msa, scale_msa))
+        return x + gate_mlp[:, None] * self.mlp(self.norm_mod(x, shift_mlp, scale_mlp))
+
+
+class DiT(nn.Module):
+    """``depth`` :class:`DiTBlock` s; ``forward(x, c)`` as the block's."""
+
+    def __init__(self, dim: int, heads: int, depth: int, norm_mod: Callable) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DiTBlock(dim, heads, norm_mod) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, c)
+        return x
+
+
+def build_dit(dim: int, heads: int, depth: int, provider: str) -> DiT:
+    """A seeded DiT whose norms are ``provider``'s (``torch`` or ``cudnorm``)."""
+    norm_mod = {"torch": torch_norm_mod, "cudnorm": cudnorm_norm_mod}[provider]()
+    torch.manual_seed(0)
+    return DiT(dim, heads, depth, norm_mod)
+
+
+# ---------------------------------------------------------------------------------------
+# Llama
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings (RoFormer; Llama's "rotate half" layout).
+
+    ``cos``/``sin`` buffers: ``[max_pos, head_dim]``, the ``head_dim / 2`` frequencies
+    ``base ** (-2i / head_dim)`` repeated twice, so that channel ``i`` pairs with channel
+    ``i + head_dim / 2``.
+    """
+
+    def __init__(self, head_dim: int, max_pos: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x [B, H, S, head_dim]`` at positions ``start .. start + S - 1``."""
+        s = x.shape[2]
+        cos, sin = self.cos[start:start + s].to(x.dtype), self.sin[start:start + s].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaLayer(nn.Module):
+    """Pre-norm decoder layer: RMSNorm -> causal attention with RoPE -> residual, RMSNorm ->
+    SwiGLU MLP -> residual. No biases."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, norm: Callable, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.rotary = heads, [rotary]  # a list: the model owns the buffers
+        self.input_layernorm = norm(hidden, 1e-6)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.post_attention_layernorm = norm(hidden, 1e-6)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, d = t.shape
+        return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)  # [B, H, S, hd]
+
+    def forward(self, x: torch.Tensor, start: int = 0, cache: tuple | None = None) -> torch.Tensor:
+        """``x [B, S, hidden]`` at positions ``start ..``. Without ``cache``: causal attention
+        over ``x``'s own tokens. With ``cache = (k, v)``, each ``[B, H, context, hd]``: the new
+        keys/values are written at ``start ..`` and the queries attend to positions
+        ``0 .. start + S - 1`` (one new token per step: every cached position is in its past)."""
+        b, s, d = x.shape
+        h = self.input_layernorm(x)
+        rope = self.rotary[0]
+        q = rope(self._heads(self.q_proj(h)), start)
+        k = rope(self._heads(self.k_proj(h)), start)
+        v = self._heads(self.v_proj(h))
+        if cache is None:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            cache_k, cache_v = cache
+            cache_k[:, :, start:start + s] = k
+            cache_v[:, :, start:start + s] = v
+            att = F.scaled_dot_product_attention(q, cache_k[:, :, :start + s], cache_v[:, :, :start + s])
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, s, d))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """``layers`` :class:`LlamaLayer` s and a final RMSNorm, on hidden states (no embedding).
+
+    ``forward(x)``: training/prefill, ``x [B, S, hidden]``. :meth:`decode_step`: one token
+    per sequence against the KV cache made by :meth:`make_cache`.
+    """
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, layers: int, norm: Callable,
+                 max_pos: int) -> None:
+        super().__init__()
+        self.rotary = Rotary(hidden // heads, max_pos)
+        self.layers = nn.ModuleList(LlamaLayer(hidden, heads, intermediate, norm, self.rotary)
+                                    for _ in range(layers))
+        self.norm = norm(hidden, 1e-6)
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.position = self.prefill = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+    def make_cache(self, batch: int, context: int, prefill: int, seed: int = 1) -> None:
+        """Preallocate a ``[batch, H, context, hd]`` key and value cache per layer, random
+        keys/values (the same for every provider: seeded) at positions ``< prefill``."""
+        p = next(self.parameters())
+        heads = self.layers[0].heads
+        shape = (batch, heads, context, p.shape[-1] // heads)
+        gen = torch.Generator(device=p.device).manual_seed(seed)
+        self.cache = []
+        for _ in self.layers:
+            kv = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(2)]
+            for t in kv:
+                t[:, :, :prefill] = torch.randn(shape[:2] + (prefill, shape[3]), generator=gen,
+                                                device=p.device, dtype=p.dtype)
+            self.cache.append(tuple(kv))
+        self.position = self.prefill = prefill
+
+    def decode_step(self, x: torch.Tensor) -> torch.Tensor:
+        """One generated token per sequence: ``x [B, 1, hidden]`` -> ``[B, 1, hidden]``. When
+        the cache is full the position goes back to the end of the prefill (stale entries
+        past it are overwritten), so any number of steps can be timed."""
+        if self.position >= self.cache[0][0].shape[2]:
+            self.position = self.prefill
+        for layer, cache in zip(self.layers, self.cache):
+            x = layer(x, self.position, cache)
+        self.position += 1
+        return self.norm(x)
+
+
+def build_llama(hidden: int, heads: int, intermediate: int, layers: int, provider: str, max_pos: int) -> Llama:
+    """A seeded :class:`Llama` whose RMSNorms are ``provider``'s."""
+    norm = rms_factory(provider)
+    torch.manual_seed(0)
+    return randomize_norms(Llama(hidden, heads, intermediate, layers, norm, max_pos))
+
+
+# ---------------------------------------------------------------------------------------
+# GPT-2
+
+
+class GPTBlock(nn.Module):
+    """GPT-2 block: ``ln_1`` -> causal attention -> residual, ``ln_2`` -> GELU MLP -> residual."""
+
+    def __init__(self, hidden: int, heads: int, norm: Callable) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = norm(hidden, 1e-5)
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.attn_proj = nn.Linear(hidden, hidden)
+        self.ln_2 = norm(hidden, 1e-5)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, hidden]`` -> the same shape."""
+        b, s, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """``layers`` :class:`GPTBlock` s and the final ``ln_f``, on hidden states (no embedding)."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, norm: Callable) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GPTBlock(hidden, heads, norm) for _ in range(layers))
+        self.ln_f = norm(hidden, 1e-5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.ln_f(x)
+
+
+def build_gpt(hidden: int, heads: int, layers: int, provider: str) -> GPT:
+    """A seeded :class:`GPT` whose LayerNorms are ``provider``'s."""
+    norm = ln_factory(provider)
+    torch.manual_seed(0)
+    return randomize_norms(GPT(hidden, heads, layers, norm))
+
+
+def randomize_norms(model: nn.Module, seed: int = 1) -> nn.Module:
+    """Set every norm weight to ``1 + 0.1 * randn`` and bias to ``0.1 * randn`` (seeded, in
+    module order, so every provider gets the same values). Norms: modules other than
+    ``nn.Linear`` owning a 1-D ``weight``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+                continue
+            weight.copy_(1 + 0.1 * torch.randn(weight.shape, generator=gen))
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+    return model
+
+
+def first_linear_weight(model: nn.Module) -> torch.Tensor:
+    """The first ``nn.Linear`` weight of the first block/layer (for the gradient check)."""
+    first = model.blocks[0] if hasattr(model, "blocks") else model.layers[0]
+    return next(m.weight for m in first.modules() if isinstance(m, nn.Linear))
+
+
+# ---------------------------------------------------------------------------------------
+# Cases: the model configurations of the full and the quick run
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model configuration in one mode. ``seq``: tokens per sequence (decode: the
+    prefilled cache length when timing starts; each step adds one token)."""
+
+    model: str  # "dit" | "llama" | "gpt2"
+    name: str  # e.g. "dit-1152-b8-s1024"
+    mode: str  # "train" | "train-compile" | "infer" | "decode-b<N>"
+    batch: int
+    seq: int
+    width: int
+    heads: int
+    depth: int
+    intermediate: int = 0  # Llama MLP width
+    context: int = 0  # decode: KV-cache length
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}:{self.mode}"
+
+    @property
+    def train(self) -> bool:
+        return self.mode.startswith("train")
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode.endswith("compile")
+
+    @property
+    def decode(self) -> bool:
+        return self.mode.startswith("decode")
+
+
+def _dit_cases(dims, seqs, batches, depth) -> list[Case]:
+    return [Case("dit", f"dit-{d}-b{b}-s{s}", mode, b, s, d, h, depth)
+            for mode in ("train", "train-compile", "infer") for d, h in dims for s in seqs for b in batches]
+
+
+def _llama_cases(hidden, heads, inter, layers, train_bs, decode_batches, context) -> list[Case]:
+    b, s = train_bs
+    cases = [Case("llama", f"llama-{hidden}-b{b}-s{s}", "train", b, s, hidden, heads, layers, inter)]
+    return cases + [Case("llama", f"llama-{hidden}", f"decode-b{n}", n, context // 2, hidden, heads, layers, inter,
+                         context) for n in decode_batches]
+
+
+def all_cases(quick: bool) -> list[Case]:
+    """Every configuration of the full run, or of the quick run (tiny, seconds on a CPU)."""
+    if quick:
+        return (_dit_cases([(64, 4)], [16], [2], depth=2)
+                + _llama_cases(64, 4, 128, 2, (2, 32), (1, 2), context=64)
+                + [Case("gpt2", "gpt2-64-b2-s32", "train", 2, 32, 64, 4, 2)])
+    return (_dit_cases([(1152, 16), (3072, 24)], [256, 1024], [2, 8, 32], depth=4)
+            + _llama_cases(4096, 32, 11008, 4, (2, 4096), (1, 32), context=1024)
+            + [Case("gpt2", "gpt2-1024-b8-s1024", "train", 8, 1024, 1024, 16, 4)])
+
+
+def select(cases: list[Case], filter_text: str | None, device: str, quick: bool) -> list[Case]:
+    """Cases whose id contains any comma-separated term of ``filter_text`` ("all": every
+    case). Compile modes run on a GPU in a full run, elsewhere only when a term names them."""
+    terms = [] if filter_text in (None, "", "all") else [t.strip() for t in filter_text.split(",") if t.strip()]
+    chosen = [c for c in cases if not terms or any(t in c.id for t in terms)]
+    if device != "cuda" or quick:
+        chosen = [c for c in chosen if not c.compiled or any("compile" in t for t in terms)]
+    return chosen
+
+
+def norm_work(case: Case, provider: str, device: str, dtype: torch.dtype) -> Callable[[], None]:
+    """A zero-argument function running one step's norm calls on static tensors: as many
+    calls as one forward makes (2 per block, + the final norm in Llama/GPT-2), each at the
+    model's activation shape, followed in training by its autograd backward (grads of the
+    input and of the norm's parameters, or of DiT's modulation). Compile modes compile the
+    norm function alone (a stand-in: inside a compiled block inductor may fuse it)."""
+    b, d = case.batch, case.width
+    s = 1 if case.decode else case.seq
+    x = torch.randn(b, s, d, device=device, dtype=dtype, requires_grad=case.train)
+    dy = torch.randn_like(x)
+    if case.model == "dit":
+        count = 2 * case.depth
+        fn = (torch_norm_mod if provider == "torch" else cudnorm_norm_mod)()
+        mod = torch.randn(b, 6 * d, device=device, dtype=dtype, requires_grad=case.train)
+        args, leaves = lambda: (x, *mod.chunk(6, dim=1)[:2]), [x, mod]  # chunk views, as in the block
+    else:
+        count = 2 * case.depth + 1
+        factory = rms_factory if case.model == "llama" else ln_factory
+        fn = factory(provider)(d, 1e-6 if case.model == "llama" else 1e-5).to(device, dtype)
+        args, leaves = lambda: (x,), [x, *fn.parameters()]
+    if case.compiled:
+        fn = torch.compile(fn, dynamic=False)
+
+    def work():
+        for _ in range(count):
+            y = fn(*args())
+            if case.train:
+                torch.autograd.grad(y, leaves, dy)
+
+    return work

@@ -1,0 +1,515 @@
+"""``cudnorm bench --models``: whole model steps with cudnorm's norms against PyTorch's own.
+
+Op benchmarks call one kernel on the same tensors again and again; a model step makes new
+tensors every time (the caching allocator hands out different buffers, shapes meet plans
+already built or not, the host enqueues hundreds of ops). Users judge cudnorm by that step
+time, so this suite times whole steps of three models (:mod:`.model_zoo`), where each
+provider swaps *only* the norms and the weights are identical (seeded):
+
+* DiT (adaLN-Zero): torch's eager ``norm(x) * (1 + scale) + shift`` vs
+  ``cudnorm.ada_layer_norm``; modes ``train``, ``train-compile`` (each block compiled),
+  ``infer``.
+* Llama-style decoder (RMSNorm): ``train`` and one-token ``decode-b1``/``decode-b32`` with
+  a KV cache; providers torch, cudnorm, liger.
+* GPT-2-style stack (LayerNorm): ``train``; providers torch, cudnorm, liger.
+
+How a case is measured (:func:`run_case`):
+
+1. Each provider's model is built and warmed up (``compile_s``: the warm-up's wall time, in
+   compile modes; decode warm-ups visit every cache length once), then run once on the same
+   seeded inputs: ``rel_diff`` (and in training ``grad_rel_diff``, of the first block's
+   first Linear weight) is its relative L2 distance from the torch provider's result.
+2. Rounds: in every round each provider runs ``K`` back-to-back steps in turn (so drift of
+   clocks or temperature hits all alike), one synchronize at the end: ``step_ms`` is the
+   median over rounds of wall time / K. Every step draws fresh ``torch.randn`` inputs inside
+   the timed loop, the same code for every provider; training steps set grads to None, run
+   forward, ``out.float().square().mean().backward()``; no optimizer. Then a few single steps,
+   each after a synchronize: ``host_ms`` is the median time until the Python call of
+   backward (or of the forward) returns, i.e. the host's enqueue time on an empty queue.
+3. ``norm_ms`` (GPU): only the norm work of one step (``count`` norm calls at the model's
+   shapes, forward and, in training, backward) captured in a CUDA graph and timed by CUDA
+   events over replays, so it is GPU time without host gaps.
+
+``speedup`` = torch's step_ms / the provider's and ``host_ratio`` likewise (> 1: faster than
+PyTorch's norms in the same run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import _command, _versions, model_zoo, report, runner  # the package imports this module lazily
+from .model_zoo import Case, all_cases, select
+from .._progress import progress
+
+COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
+           "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
+PROVIDERS = ("torch", "cudnorm", "liger")
+MODEL_PROVIDERS = {"dit": ("torch", "cudnorm"), "llama": PROVIDERS, "gpt2": PROVIDERS}  # Liger has no AdaLN
+MODEL_TITLES = {"dit": "DiT (AdaLN)", "llama": "Llama (RMSNorm)", "gpt2": "GPT-2 (LayerNorm)"}
+
+LEGEND = """\
+Legend: ms per step, median over interleaved rounds of K back-to-back steps on fresh inputs
+(one synchronize per round); (1.05x) = torch's time / this provider's (> 1: faster than
+PyTorch's norms). host = host time of one step after a synchronize, until the Python call of
+backward (or forward) returns. saving = where torch's norm work takes longer than cudnorm's:
+norm GPU time saved (CUDA graph of the step's norms) / step time saved. rel diff = relative
+L2 distance of cudnorm's output / first-Linear weight gradient from torch's on the same inputs."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Timing loop sizes: ``rounds`` R, ``steps`` K per round (``decode_steps`` for decode),
+    ``warmup`` steps, single-step host samples per round (at least 1)."""
+
+    rounds: int = 5
+    steps: int = 10
+    decode_steps: int = 50
+    warmup: int = 3
+
+    def k(self, case: Case) -> int:
+        return self.decode_steps if case.decode else self.steps
+
+    def host_samples(self, case: Case) -> int:
+        return max(1, self.k(case) // 5)
+
+
+QUICK_SETTINGS = Settings(rounds=2, steps=2, decode_steps=2, warmup=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Providers and workloads
+
+
+def unavailable(provider: str, device: str) -> str | None:
+    """Why ``provider`` cannot run here, or ``None``."""
+    if provider != "liger":
+        return None
+    if device != "cuda":
+        return "unavailable: Liger-Kernel needs triton and a CUDA GPU"
+    try:
+        import liger_kernel.transformers.layer_norm  # noqa: F401, PLC0415
+        import liger_kernel.transformers.rms_norm  # noqa: F401, PLC0415
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return f"unavailable: {runner.describe(exc)}"
+    return None
+
+
+@dataclass
+class Workload:
+    """One provider's model for one case. ``inputs(gen)`` draws fresh random inputs
+    (``gen``: a seeded generator for the equivalence check, else the global RNG);
+    ``forward(*inputs)`` returns the model's output."""
+
+    model: torch.nn.Module
+    forward: Callable[..., torch.Tensor]
+    inputs: Callable[[torch.Generator | None], tuple[torch.Tensor, ...]]
+    train: bool
+
+    def step(self, gen: torch.Generator | None = None) -> torch.Tensor:
+        """One step on fresh inputs; returns once backward (or the forward) has been enqueued."""
+        inputs = self.inputs(gen)
+        if not self.train:
+            with torch.no_grad():
+                return self.forward(*inputs)
+        self.model.zero_grad(set_to_none=True)
+        out = self.forward(*inputs)
+        out.float().square().mean().backward()
+        return out
+
+
+def _randn(shape, device, dtype) -> Callable:
+    return lambda gen: (torch.randn(shape, generator=gen, device=device, dtype=dtype),)
+
+
+def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workload:
+    """The seeded model of ``case`` with ``provider``'s norms, on ``device`` in ``dtype``."""
+    b, s, d = case.batch, case.seq, case.width
+    if case.model == "dit":
+        model = model_zoo.build_dit(d, case.heads, case.depth, provider).to(device, dtype)
+        # static shapes: each new (B, S, D) is a recompile, as for a fixed-resolution job
+        blocks = [torch.compile(blk, dynamic=False) for blk in model.blocks] if case.compiled else model.blocks
+
+        def forward(x, c):
+            for block in blocks:
+                x = block(x, c)
+            return x
+
+        def inputs(gen):
+            return (torch.randn(b, s, d, generator=gen, device=device, dtype=dtype),
+                    torch.randn(b, d, generator=gen, device=device, dtype=dtype))
+
+        return Workload(model, forward, inputs, case.train)
+    if case.model == "gpt2":
+        model = model_zoo.build_gpt(d, case.heads, case.depth, provider).to(device, dtype)
+        return Workload(model, model, _randn((b, s, d), device, dtype), case.train)
+    max_pos = max(case.context, s)
+    model = model_zoo.build_llama(d, case.heads, case.intermediate, case.depth, provider, max_pos).to(device, dtype)
+    if not case.decode:
+        return Workload(model, model, _randn((b, s, d), device, dtype), case.train)
+    model.make_cache(b, case.context, prefill=s)
+    return Workload(model, model.decode_step, _randn((b, 1, d), device, dtype), train=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Measurement
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_steps(w: Workload, k: int, device: str) -> float:
+    """ms per step of ``k`` back-to-back steps, one synchronize at the end (the one before
+    the start keeps the previous provider's queued work out of this time)."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(k):
+        w.step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3 / k
+
+
+def _host_step(w: Workload, device: str) -> float:
+    """ms of host time of one step started on an empty queue (nothing blocks a launch)."""
+    _sync(device)
+    start = time.perf_counter()
+    w.step()
+    elapsed = (time.perf_counter() - start) * 1e3
+    _sync(device)
+    return elapsed
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in fp32."""
+    want = want.float()
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _check_result(w: Workload, case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output (and first-Linear weight grad in training) of one step on seeded inputs."""
+    if case.decode:
+        w.model.position = w.model.prefill  # the same cache contents for every provider
+    gen = torch.Generator(device=device).manual_seed(1234)
+    out = w.step(gen).detach()
+    grad = model_zoo.first_linear_weight(w.model).grad if case.train else None
+    return out, None if grad is None else grad.detach().clone()
+
+
+@contextlib.contextmanager
+def _recompiles_allowed(enabled: bool):
+    """Raise dynamo's recompile limits (every case is a new static shape) and drop the
+    compiled code afterwards, so the next case compiles fresh and ``compile_s`` means it."""
+    if not enabled:
+        yield
+        return
+    import torch._dynamo  # noqa: PLC0415
+
+    config, saved = torch._dynamo.config, {}
+    for names in (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit",
+                                                            "accumulated_cache_size_limit")):
+        name = next((n for n in names if hasattr(config, n)), None)
+        if name is not None:
+            saved[name] = getattr(config, name)
+            setattr(config, name, max(saved[name], 1024))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+        torch._dynamo.reset()
+
+
+def blank_row(case: Case, provider: str) -> dict:
+    return {"model": case.model, "case": case.id, "mode": case.mode, "provider": provider, "batch": case.batch,
+            "seq": case.seq, "width": case.width, "step_ms": None, "host_ms": None, "speedup": None,
+            "host_ratio": None, "norm_ms": None, "rel_diff": None, "grad_rel_diff": None, "max_mem_gib": None,
+            "compile_s": None, "status": "ok"}
+
+
+def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Workload]:
+    """Build, warm up and check every provider; return those that work (failures go in
+    their row's status)."""
+    live, reference = {}, None
+    for p in providers:
+        try:
+            w = build(case, p, device, dtype)
+            start = time.perf_counter()
+            # decode: walk the whole cache once. SDPA can plan a kernel per key length on first
+            # use (tens of ms each on an H100 at small head sizes, cached process-wide), so the
+            # first provider to reach each length would otherwise pay for all of them
+            for _ in range(settings.warmup + (case.context - case.seq if case.decode else 0)):
+                w.step()
+            _sync(device)
+            if case.compiled:
+                rows[p]["compile_s"] = time.perf_counter() - start
+            out, grad = _check_result(w, case, device)
+            if p == "torch":
+                reference = (out, grad)
+            if reference is not None:
+                rows[p]["rel_diff"] = _rel(out, reference[0])
+                if grad is not None:
+                    rows[p]["grad_rel_diff"] = _rel(grad, reference[1])
+            del out, grad
+            live[p] = w
+        except Exception as exc:  # noqa: BLE001 - OOM, missing kernel...: reported, the rest runs
+            rows[p]["status"] = runner.describe(exc)
+            w = None  # drop a half-built model before the next provider is built
+            runner.free(device, collect=True)
+    return live
+
+
+def _interleave(case, live, settings, device, rows) -> None:
+    """R rounds; in each, every provider runs K timed steps and a few host samples in turn
+    (the starting provider rotates). Fills step_ms, host_ms and max_mem_gib."""
+    steps = {p: [] for p in live}
+    hosts = {p: [] for p in live}
+    names = list(live)
+    for r in range(settings.rounds):
+        for p in names[r % len(names):] + names[:r % len(names)]:
+            if p not in live:
+                continue
+            try:
+                if device == "cuda":
+                    _sync(device)
+                    torch.cuda.reset_peak_memory_stats()
+                steps[p].append(_timed_steps(live[p], settings.k(case), device))
+                hosts[p] += [_host_step(live[p], device) for _ in range(settings.host_samples(case))]
+                if device == "cuda":
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    rows[p]["max_mem_gib"] = max(rows[p]["max_mem_gib"] or 0.0, peak)
+            except Exception as exc:  # noqa: BLE001
+                rows[p]["status"] = runner.describe(exc)
+                del live[p]
+                runner.free(device, collect=True)
+    for p in live:
+        rows[p]["step_ms"] = statistics.median(steps[p])
+        rows[p]["host_ms"] = statistics.median(hosts[p])
+
+
+def norm_ms(case: Case, provider: str, device: str, dtype: torch.dtype) -> float:
+    """GPU ms of one step's norm work for ``provider`` at ``case``'s shapes: as many norm
+    calls as one forward makes, each forward (+ autograd backward in training), captured in
+    a CUDA graph after a side-stream warm-up (plans, compilation, autotuning must happen
+    outside the capture) and timed over replays with CUDA events."""
+    work = model_zoo.norm_work(case, provider, device, dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            work()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for reps in [1] * 3 + [0] * 5:
+        if not reps:  # replays per sample: about 2 ms of GPU time, from the first samples
+            reps = max(1, min(200, int(2.0 / max(min(samples), 1e-3))))
+        begin.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) / reps)
+    del graph
+    return statistics.median(samples[3:])
+
+
+def run_case(case: Case, providers: list[str], settings: Settings, device: str, dtype: torch.dtype) -> list[dict]:
+    """Rows of one case, one per provider (see the module docstring for what each holds)."""
+    rows = {p: blank_row(case, p) for p in providers}
+    with _recompiles_allowed(case.compiled):
+        live = _prepare(case, providers, settings, device, dtype, rows)
+        if live:
+            _interleave(case, live, settings, device, rows)
+        live.clear()
+        runner.free(device, collect=True)
+        for p in providers:
+            if device != "cuda" or rows[p]["step_ms"] is None:
+                continue
+            try:
+                rows[p]["norm_ms"] = norm_ms(case, p, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - the step numbers stand without it
+                rows[p]["status"] = f"ok (norm_ms: {runner.describe(exc)})"
+            runner.free(device, collect=True)
+    base = rows.get("torch")
+    for row in rows.values():
+        if base and base["step_ms"] and row["step_ms"]:
+            row["speedup"] = base["step_ms"] / row["step_ms"]
+            row["host_ratio"] = base["host_ms"] / row["host_ms"]
+    return list(rows.values())
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+
+
+def _speed_cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["step_ms"] is None:
+        return "OOM" if row["status"] == "OOM" else "ERR"
+    return f"{row['step_ms']:.3f}" + (f" ({row['speedup']:.2f}x)" if row["speedup"] else "")
+
+
+def _saving_cell(torch_row: dict, mine: dict) -> str:
+    """``kernel / step`` ms saved where torch's norm work is slower than cudnorm's."""
+    if not (torch_row["norm_ms"] and mine["norm_ms"] and torch_row["step_ms"] and mine["step_ms"]):
+        return ""
+    if torch_row["norm_ms"] <= mine["norm_ms"]:
+        return "-"
+    return f"{torch_row['norm_ms'] - mine['norm_ms']:.3f} / {torch_row['step_ms'] - mine['step_ms']:.3f}"
+
+
+def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
+    """``{model title: [header, *one line per case]}``."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        by_case = {}
+        for r in mine:
+            by_case.setdefault(r["case"], {})[r["provider"]] = r
+        peers = [p for p in ("cudnorm", "liger") if any(p in got for got in by_case.values())]
+        lines = [["case", "torch ms", *(f"{p} ms" for p in peers), "host ms torch / cudnorm",
+                  "saving ms kernel / step", "cudnorm rel diff out / grad"]]
+        for case, got in by_case.items():
+            t, c = got.get("torch"), got.get("cudnorm")
+            host = saving = diff = ""
+            if t and c and t["host_ms"] and c["host_ms"]:
+                host = f"{t['host_ms']:.3f} / {c['host_ms']:.3f} ({c['host_ratio']:.2f}x)"
+            if t and c:
+                saving = _saving_cell(t, c)
+            if c and c["rel_diff"] is not None:
+                diffs = [c["rel_diff"]] + ([c["grad_rel_diff"]] if c["grad_rel_diff"] is not None else [])
+                diff = " / ".join(f"{v:.1e}" for v in diffs)
+            lines.append([case, _speed_cell(t), *(_speed_cell(got.get(p)) for p in peers), host, saving, diff])
+        out[MODEL_TITLES.get(model, model)] = lines
+    return out
+
+
+def mode_group(mode: str) -> str:
+    """The plot panel of a mode: "train", "train-compile" or "infer / decode"."""
+    return mode if mode.startswith("train") else "infer / decode"
+
+
+MODE_GROUPS = ("train", "train-compile", "infer / decode")
+
+
+def plot(rows: list[dict], device_name: str, path: Path) -> Path | None:
+    """Horizontal bars of each non-torch provider's speed-up per case, one panel per mode
+    group, a line at 1.0. ``None`` when matplotlib is missing or nothing was timed."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    timed = [r for r in rows if r["provider"] != "torch" and r["speedup"]]
+    groups = [(title, [r for r in timed if mode_group(r["mode"]) == title]) for title in MODE_GROUPS]
+    groups = [(title, got) for title, got in groups if got]
+    if not groups:
+        return None
+    heights = [max(2.0, 0.35 * len(got) + 1.2) for _, got in groups]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (title, got) in zip(axes[:, 0], groups):
+        cases = list(dict.fromkeys(r["case"] for r in got))
+        providers = list(dict.fromkeys(r["provider"] for r in got))
+        bar = 0.8 / len(providers)
+        for i, p in enumerate(providers):
+            pts = [(cases.index(r["case"]) + i * bar, r["speedup"]) for r in got if r["provider"] == p]
+            ax.barh([y for y, _ in pts], [v for _, v in pts], height=bar, label=p)
+        ax.axvline(1.0, color="black", linewidth=1)
+        ax.set_yticks([i + bar * (len(providers) - 1) / 2 for i in range(len(cases))], cases, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("speed-up over PyTorch's norms (step time, > 1 faster)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"cudnorm bench --models on {device_name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(meta: dict, lines_by_title: dict[str, list[list[str]]]) -> str:
+    out = ["# cudnorm bench --models", ""]
+    out += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in meta.items()]
+    for title, lines in lines_by_title.items():
+        out += ["", f"## {title}", "", report.markdown_table(lines)]
+    out += ["", "## Legend", "", LEGEND, "", "How each number is measured: the docstring of "
+            "`cudnorm/_bench/models.py` and the Model benchmarks section of docs/performance.md.", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Command
+
+
+def _providers(names: list[str], device: str) -> tuple[list[str], list[str]]:
+    """(the providers that can run here, torch first; a note on each asked for)."""
+    names = ["torch", *(n for n in dict.fromkeys(names) if n != "torch")]  # every ratio is against torch
+    why = {n: unavailable(n, device) for n in names}
+    return [n for n in names if why[n] is None], [f"{n} {why[n] or 'available'}" for n in names]
+
+
+def run(args, out: Path) -> int:
+    """``cudnorm bench --models [FILTER]``: run, write models.csv/.png/.md to ``out``, print
+    the tables last. Returns 1 when a cudnorm row failed, 2 when the arguments select nothing."""
+    started = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    asked = [n.strip() for n in (args.providers or ",".join(PROVIDERS)).split(",") if n.strip()]
+    unknown = [n for n in asked if n not in PROVIDERS]
+    cases = select(all_cases(args.quick), args.models, device, args.quick)
+    if unknown or not cases:
+        print(f"cudnorm bench --models: unknown providers {unknown}; expected some of {list(PROVIDERS)}" if unknown
+              else f"cudnorm bench --models: no case matches {args.models!r}", file=sys.stderr)
+        return 2
+    providers, notes = _providers(asked, device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    settings = QUICK_SETTINGS if args.quick else Settings()
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"cudnorm bench --models on {device_name} ({_versions()}), {str(dtype).removeprefix('torch.')}, "
+          f"{len(cases)} cases")
+    print("\n".join(f"  provider {note}" for note in notes))
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for case in progress(cases, len(cases), "cudnorm bench --models"):
+        rows += run_case(case, [p for p in providers if p in MODEL_PROVIDERS[case.model]], settings, device, dtype)
+        report.write_csv(rows, out / "models.csv", columns=COLUMNS)  # current after every case
+    meta = {"command": _command(args), "device": device_name, "versions": _versions(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "loop": f"{settings.rounds} rounds x K = {settings.steps} steps ({settings.decode_steps} decode), "
+                    f"{settings.warmup} warm-up steps",
+            "providers": "; ".join(notes), "run time": f"{time.perf_counter() - started:.0f} s"}
+    return _write_and_print(rows, meta, out)
+
+
+def _write_and_print(rows: list[dict], meta: dict, out: Path) -> int:
+    """models.png and models.md, then the failures, legend and tables (last); the exit code."""
+    png = plot(rows, meta["device"], out / "models.png")
+    lines_by_title = tables(rows)
+    (out / "models.md").write_text(markdown(meta, lines_by_title))
+    print(f"\nwrote {out / 'models.csv'}, {out / 'models.md'}"
+          + (f", {png}" if png else " (no PNG: matplotlib missing or nothing timed)") + f" after {meta['run time']}")
+    failed = [r for r in rows if r["provider"] == "cudnorm" and not r["status"].startswith("ok")]
+    for r in failed:
+        print(f"FAILED: cudnorm {r['case']}: {r['status']}")
+    print("\n" + LEGEND)
+    for title, lines in lines_by_title.items():
+        print(f"\n{title}\n{report.text_table(lines, right=0)}")
+    return 1 if failed else 0
