@@ -261,11 +261,15 @@ def stats_buffer(rows: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.empty((count, -(-rows // 4) * 4), dtype=_F32, device=device)
 
 
+def is_packed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous with a 16-byte aligned address, as cuDNN's tensor
+    descriptors promise (``dy`` from autograd, or a chunk of a Linear output, may be neither)."""
+    return t.is_contiguous() and not t.data_ptr() & 15
+
+
 def packed(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned address (``dy`` from autograd may be neither)."""
-    if t.is_contiguous() and not t.data_ptr() & 15:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    """``t`` itself when :func:`is_packed`, else a packed copy."""
+    return t if is_packed(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C++ apply

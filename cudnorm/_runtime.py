@@ -198,12 +198,6 @@ def launch_context(device_index: int, nbytes: int) -> tuple[_DeviceState, torch.
     return state, kept[0]
 
 
-def handle_and_workspace(device_index: int, nbytes: int):
-    """``(handle, workspace)``: :func:`launch_context` with the frontend handle."""
-    state, workspace = launch_context(device_index, nbytes)
-    return state.handle, workspace
-
-
 def rounding_rows(device_index: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Two ``[n]`` CUDA vectors of ``dtype`` (each 16-byte aligned) that a forward rounds its
     fp32 weight and bias into just before its launch, kept per (thread, device, stream).

@@ -96,14 +96,6 @@ def _backward_strategy(b: int, s: int, d: int, dtype: torch.dtype) -> str:
 
 # ---------------------------------------------------------------- shared helpers
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` packed with a 16-byte aligned base pointer (what cuDNN's tensor descriptors
-    promise); a chunk of a Linear output is often neither. Copies only when needed."""
-    if t.is_contiguous() and not t.data_ptr() & 15:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def _forward_dtype(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.dtype:
     """The dtype the forward reads gain and shift in: ``_dispatch.forward_params``' rule for
     a pair (fp32 only when either is fp32 and ``CUDNORM_FP32_WEIGHT_FWD=native``)."""
@@ -115,16 +107,16 @@ def _gain(scale: torch.Tensor, dit: bool, dtype: torch.dtype) -> torch.Tensor:
     ``1 + scale`` is one kernel that adds in fp32 and rounds once to ``dtype``, as PyTorch's
     eager ``1 + scale`` in that dtype does."""
     if not dit:
-        return _aligned(scale if scale.dtype is dtype else scale.to(dtype))
+        return _dispatch.packed(scale if scale.dtype is dtype else scale.to(dtype))
     if scale.dtype is dtype:
-        return _aligned(torch.add(scale, 1.0))
+        return _dispatch.packed(torch.add(scale, 1.0))
     out = torch.empty(scale.shape, dtype=dtype, device=scale.device)
     return torch.add(scale, _dispatch.constant(1.0, scale.shape[-1], _F32, scale.device), out=out)
 
 
 def _shift(shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``shift`` as the forward graph reads it: ``[B, D]`` of ``dtype``, packed and aligned."""
-    return _aligned(shift if shift.dtype is dtype else shift.to(dtype))
+    return _dispatch.packed(shift if shift.dtype is dtype else shift.to(dtype))
 
 
 def _modulation(scale: torch.Tensor, shift: torch.Tensor, dit: bool, dtype: torch.dtype
@@ -135,10 +127,9 @@ def _modulation(scale: torch.Tensor, shift: torch.Tensor, dit: bool, dtype: torc
     forward needs ``1 + scale`` and a packed copy of shift. One ``_foreach_add`` makes both
     (adding 0 to shift copies it exactly): one op call instead of two, 17-18 us of host time
     each on a lent H100 host."""
-    if dit and scale.dtype is dtype and shift.dtype is dtype and not (shift.is_contiguous()
-                                                                      and not shift.data_ptr() & 15):
+    if dit and scale.dtype is dtype and shift.dtype is dtype and not _dispatch.is_packed(shift):
         gain, packed = torch._foreach_add([scale, shift], [1.0, 0.0])
-        return _aligned(gain), _aligned(packed)
+        return _dispatch.packed(gain), _dispatch.packed(packed)
     return _gain(scale, dit, dtype), _shift(shift, dtype)
 
 

@@ -1,6 +1,8 @@
 """LayerNorm/RMSNorm on cuDNN (GPU): accuracy under the 2x-PyTorch rule across dtypes,
 weights, sizes and layouts; phases; opcheck; torch.compile; CUDA-graph replay; fallback."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,13 +295,16 @@ def test_raw_execute_matches_public_execute(case):
     roles = _graphs.roles(spec)
     outputs = [i for i, r in enumerate(roles) if r in _OUTPUT_ROLES or (spec.phase == "train" and r in ("mean", "rstd"))]
     results = []
-    for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, plan.run_public):
+    public_only = dataclasses.replace(plan, raw=None)  # CUDNORM_RAW_EXECUTE=0: addresses in the public form
+    for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, plan.run_public,
+                lambda *b: public_only.launch([t.data_ptr() for t in b])):
         for i in outputs:
             buffers[i].fill_(float("nan"))
         run(*buffers)
         torch.cuda.synchronize()
         results.append([buffers[i].clone() for i in outputs])
-    for i, launched, raw, public in zip(outputs, *results):
+    for i, launched, raw, public, public_launched in zip(outputs, *results):
         assert not raw.isnan().any(), roles[i]
         assert torch.equal(launched, raw), f"{case}: {roles[i]} differs between launch by address and run"
         assert torch.equal(raw, public), f"{case}: {roles[i]} differs between raw and public execute"
+        assert torch.equal(public_launched, public), f"{case}: {roles[i]}: public execute, addresses vs tensors"
