@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from . import _cache, _call_plans, _graphs, _rows, _runtime
+from . import _cache, _call_plans, _graphs, _policy, _rows, _runtime
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -30,16 +30,25 @@ def clear_cache() -> None:
 def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     """``"cudnn"`` or ``"torch (<reason>)"``: which kernels serve ``op`` for ``input``.
 
-    With ``input=None`` the answer is for a bf16 tensor on the current CUDA device (or the
-    CPU when there is none). A configuration cuDNN declines at build time also falls back;
-    ``cache_info().declined`` counts those.
+    With ``input=None`` the answer is for a large bf16 tensor on the current CUDA device (or
+    the CPU when there is none). With ``input`` it includes the kernel policy
+    (:mod:`cudnorm._policy`: small calls run PyTorch's op), for weights of ``input``'s dtype.
+    A configuration cuDNN declines at build time also falls back; ``cache_info().declined``
+    counts those.
     """
     if op not in OPS:
         raise ValueError(f"cudnorm.serving_path: argument 'op' must be one of {OPS}, got {op!r}")
     if input is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        input = torch.empty(0, dtype=torch.bfloat16, device=device)
+        return _path(_runtime.route(torch.empty(0, dtype=torch.bfloat16, device=device)))
     reason = _runtime.route(input)
+    if reason is None and _policy.torch_serves(input):
+        reason = (f"{'traced by torch.compile' if torch.compiler.is_compiling() else 'small call'}: "
+                  f"CUDNORM_POLICY=auto, {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")
+    return _path(reason)
+
+
+def _path(reason: str | None) -> str:
     return "cudnn" if reason is None else f"torch ({reason})"
 
 

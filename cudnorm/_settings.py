@@ -4,6 +4,9 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
 
 ==========================  =================================================================
 ``CUDNORM_DISABLE_CUDNN``    ``1``: run PyTorch's kernels everywhere
+``CUDNORM_POLICY``           ``auto`` (default): PyTorch's own ops serve CUDA calls where they
+                             make models faster (small calls, ``torch.compile``;
+                             :mod:`cudnorm._policy`); ``cudnn``: cuDNN wherever it can serve
 ``CUDNORM_AUTOTUNE``         ``auto`` (default: time candidate plans for large forwards),
                              ``1`` (every graph), ``0`` (never: heuristics' first plan)
 ``CUDNORM_AUTOTUNE_CANDIDATES``  candidate plans autotuning times, heuristics' order
@@ -29,12 +32,16 @@ microseconds on every op). After changing ``os.environ`` in a running process, c
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "always": "on",
                                  "0": "off", "off": "off", "false": "off", "no": "off", "never": "off"},
             "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"},
+            "CUDNORM_POLICY": {"auto": "auto", "cudnn": "cudnn"},
             "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")},
             "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")}}
 
@@ -42,6 +49,7 @@ _CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": 
 @dataclass(frozen=True)
 class Settings:
     disable_cudnn: bool
+    policy: str  # "auto" | "cudnn" (cudnorm._policy)
     autotune: str  # "auto" | "on" | "off"
     autotune_candidates: int  # 0: every candidate
     fp32_weight_fwd: str  # "round" | "native"
@@ -84,6 +92,7 @@ def _read() -> Settings:
         raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be >= 1, got {size}")
     return Settings(
         disable_cudnn=os.environ.get("CUDNORM_DISABLE_CUDNN", "").strip().lower() in ("1", "true", "yes", "on"),
+        policy=_choice("CUDNORM_POLICY", "auto"),
         autotune=_choice("CUDNORM_AUTOTUNE", "auto"),
         autotune_candidates=_candidates(),
         fp32_weight_fwd=_choice("CUDNORM_FP32_WEIGHT_FWD", "round"),
@@ -107,3 +116,22 @@ def reload() -> Settings:
 
     _cache.plans.resize(current.cache_size)
     return current
+
+
+_replacements: dict = {}
+
+
+@contextlib.contextmanager
+def replaced(**changes) -> Iterator[Settings]:
+    """Run a block with some settings changed (``replaced(policy="cudnn")``), restoring the
+    previous settings afterwards; for benchmarks and tests comparing paths in one process."""
+    global current
+    saved = current
+    key = (saved, tuple(sorted(changes.items())))
+    # the same object for the same change: compiled code guarding on the settings and the
+    # per-device route memo (keyed on this object) stay valid from one block to the next
+    current = _replacements.get(key) or _replacements.setdefault(key, dataclasses.replace(saved, **changes))
+    try:
+        yield current
+    finally:
+        current = saved

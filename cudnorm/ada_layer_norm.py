@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from . import _cache, _call_plans, _checks, _dispatch, _runtime, _settings
+from . import _cache, _call_plans, _checks, _dispatch, _policy, _runtime, _settings
 from . import reference as ref
 from ._graphs import eps_scalar
 from ._spec import NormSpec
@@ -462,15 +462,15 @@ def _check_call(input, scale, shift, eps, one_plus_scale) -> float:
     """Validate a call; return eps as a float. The common case costs a few attribute reads;
     anything unusual goes through the detailed checks, which raise the descriptive error."""
     try:
-        b, d = input.shape[0], input.shape[-1]
-        fast = (isinstance(input, torch.Tensor) and input.dtype in _runtime.SUPPORTED_DTYPES and input.dim() >= 2
-                and input.numel() > 0 and type(eps) is float and 0.0 <= eps < math.inf
-                and type(one_plus_scale) is bool)
+        shape, dtype, device = input.shape, input.dtype, input.device
+        b, d = shape[0], shape[-1]
+        fast = (isinstance(input, torch.Tensor) and type(eps) is float and 0.0 <= eps < math.inf
+                and type(one_plus_scale) is bool and dtype in _runtime.SUPPORTED_DTYPES and len(shape) >= 2
+                and input.numel() > 0)
         for p in (scale, shift):
             # first and last dims right and B*D elements: every middle dim is 1
-            fast = fast and (isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[0] == b and p.shape[-1] == d
-                             and p.numel() == b * d and (p.dtype is input.dtype or p.dtype is _F32)
-                             and p.get_device() == input.get_device() and p.is_meta == input.is_meta)
+            fast = fast and (isinstance(p, torch.Tensor) and (p.dtype is dtype or p.dtype is _F32) and p.dim() >= 2
+                             and p.shape[0] == b and p.shape[-1] == d and p.numel() == b * d and p.device == device)
     except (AttributeError, IndexError, TypeError):
         fast = False
     if fast:
@@ -503,9 +503,13 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         ``input``-shaped tensor in ``input.dtype``. Gradients flow to input, scale and shift
         (scale/shift gradients are accumulated in fp32 and returned in their dtype). With
         bf16/fp16 input the forward reads the gain ``1 + scale`` (summed in fp32) and shift
-        rounded to ``input.dtype``, as PyTorch's eager formula in that dtype does.
+        rounded to ``input.dtype``, as PyTorch's eager formula in that dtype does. Small
+        calls and calls traced by ``torch.compile`` run PyTorch's ops instead
+        (:mod:`cudnorm._policy`).
     """
     eps = _check_call(input, scale, shift, eps, one_plus_scale)
+    if _policy.torch_serves(input, scale, shift):  # small or compiled calls: PyTorch's own ops
+        return _torch_ops(input, scale, shift, eps, one_plus_scale)
     b, d = input.shape[0], input.shape[-1]
     flat = input.dim() == 3  # the common case needs no reshapes
     x = input if flat else input.reshape(b, -1, d)
@@ -519,6 +523,26 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
     else:
         y = _run_forward(x, sc, sh, eps, one_plus_scale, False)[0]
     return y if flat else y.view(input.shape)
+
+
+def _torch_ops(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, one_plus_scale: bool
+               ) -> torch.Tensor:
+    """AdaLN in PyTorch's ops on ``x [B, *, D]`` with ``scale``/``shift`` ``[B, D]`` or
+    ``[B, 1, ..., D]`` of x's dtype, autograd by PyTorch: the LayerNorm, the gain, then the
+    modulation. Without grad one multiply-add kernel (``addcmul``, one rounding) modulates,
+    where DiT's formula runs a multiply and an add; with grad the formula's two ops, because
+    ``addcmul``'s backward multiplies by its scalar ``value`` over the whole tensor (one more
+    kernel than the formula's backward)."""
+    if scale.dim() == 2 and x.dim() == 3:  # DiT's [B, S, D] with [B, D] chunks
+        scale, shift = scale.unsqueeze(1), shift.unsqueeze(1)
+    elif scale.dim() != x.dim():
+        view = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+        scale, shift = scale.reshape(view), shift.reshape(view)
+    xhat = torch.layer_norm(x, (x.shape[-1],), None, None, eps)
+    gain = scale + 1 if one_plus_scale else scale
+    if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
+        return xhat * gain + shift
+    return torch.addcmul(shift, xhat, gain)
 
 
 # ---------------------------------------------------------------- warmup, check

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _call_plans, _checks, _dispatch
+from . import _call_plans, _checks, _dispatch, _policy
 from ._graphs import Plan, eps_scalar
 
 _OP = "layer_norm"
@@ -207,12 +207,16 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     Returns:
         ``input``-shaped tensor in ``input.dtype``. With grad enabled and any argument
         requiring grad the training graph runs (it saves fp32 mean/rstd for backward);
-        otherwise the cheaper inference graph runs.
+        otherwise the cheaper inference graph runs. Small calls and calls traced by
+        ``torch.compile`` run PyTorch's own op instead (:mod:`cudnorm._policy`).
 
     With bf16/fp16 ``input`` and fp32 ``weight``/``bias`` the forward rounds the parameters
     to ``input.dtype`` (what ``torch.autocast`` does) while gradients stay fp32-accurate.
     """
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    if _policy.torch_serves(input, weight, bias):  # small or compiled calls: PyTorch's own op
+        shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        return torch.layer_norm(input, shape, weight, bias, eps)
     flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
     x = input if flat else input.reshape(-1, n)
     w = weight if weight is None or flat else weight.reshape(n)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _policy
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -26,7 +27,12 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        weight, bias = self.weight, self.bias
+        if _policy.torch_serves(input, weight, bias):
+            # PyTorch's op, as nn.LayerNorm runs it (its checks, its errors), minus F.layer_norm's
+            # Python wrapper: small models' steps are host-bound
+            return torch.layer_norm(input, self.normalized_shape, weight, bias, self.eps)
+        return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -35,7 +41,10 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        weight = self.weight
+        if _policy.torch_serves(input, weight):  # PyTorch's op, as in LayerNorm.forward
+            return torch.rms_norm(input, self.normalized_shape, weight, self.eps)
+        return rms_norm(input, self.normalized_shape, weight, self.eps)
 
 
 class AdaLayerNorm(torch.nn.Module):

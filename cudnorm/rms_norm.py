@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _call_plans, _checks, _dispatch
+from . import _call_plans, _checks, _dispatch, _policy
 from ._graphs import Plan, eps_scalar
 
 _OP = "rms_norm"
@@ -181,11 +181,15 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     Returns:
         ``input``-shaped tensor in ``input.dtype`` (training graph when grad is needed,
         inference graph otherwise; fp32 weights are rounded to ``input.dtype`` in the
-        forward only, as in :func:`cudnorm.layer_norm`).
+        forward only, as in :func:`cudnorm.layer_norm`). Small calls and calls traced by
+        ``torch.compile`` run PyTorch's own op instead (:mod:`cudnorm._policy`).
     """
     if eps is None:
         eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 0.0
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight}, eps)
+    if _policy.torch_serves(input, weight):  # small or compiled calls: PyTorch's own op
+        shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        return torch.rms_norm(input, shape, weight, eps)
     flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
     x = input if flat else input.reshape(-1, n)
     w = weight if weight is None or flat else weight.reshape(n)

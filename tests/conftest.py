@@ -47,11 +47,15 @@ def cudnorm_env(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _exact_graphs(monkeypatch):
-    """Numerics tests compare cuDNN's exact-shape graphs with references, so every row count
-    gets its own graph at its first call here; tests of the row-chunking policy set
-    CUDNORM_EXACT_ROWS / CUDNORM_EXACT_AFTER themselves (through ``cudnorm_env``)."""
+    """Numerics tests compare cuDNN's exact-shape graphs with references, so every CUDA call
+    cuDNN can serve goes to cuDNN (``CUDNORM_POLICY=cudnn``: their shapes are small enough
+    that the default policy would hand them to PyTorch's ops) and every row count gets its
+    own graph at its first call; tests of the kernel policy and of the row-chunking policy
+    set CUDNORM_POLICY / CUDNORM_EXACT_ROWS / CUDNORM_EXACT_AFTER themselves (through
+    ``cudnorm_env``)."""
     from cudnorm import _rows, _settings
 
+    monkeypatch.setenv("CUDNORM_POLICY", "cudnn")
     monkeypatch.setenv("CUDNORM_EXACT_ROWS", "1000000")
     monkeypatch.setenv("CUDNORM_EXACT_AFTER", "1")
     _settings.reload()

@@ -58,12 +58,15 @@ def test_filter_selects_cases(tmp_path):
 def test_select_and_unknown_filter():
     cases = model_zoo.all_cases(quick=False)
     ids = {c.id for c in models.select(cases, "llama-4096:decode,gpt2", "cuda", quick=False)}
-    assert ids == {"llama-4096:decode-b1", "llama-4096:decode-b32", "gpt2-1024-b8-s1024:train"}
+    assert ids == {"llama-4096:decode-b1", "llama-4096:decode-b32", "gpt2-1024-b8-s1024:train",
+                   "gpt2-1024-b8-s1024:train-compile"}
     assert "dit-1152-b8-s1024:train-compile" in {c.id for c in models.select(cases, None, "cuda", quick=False)}
     on_cpu = models.select(cases, "dit-1152-b8", "cpu", quick=False)
     assert on_cpu and not any(c.compiled for c in on_cpu)  # compile only when the filter names it
     assert {c.mode for c in models.select(cases, "dit-1152-b8-s1024:train-compile", "cpu", quick=False)} == {
         "train-compile"}
+    exact = models.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
+    assert [c.id for c in exact] == ["dit-1152-b8-s256:train", "gpt2-1024-b8-s1024:train-compile"]
     assert cli.main(["bench", "--models", "no-such-model", "--quick"]) == 2
     assert cli.main(["bench", "--models", "--quick", "--providers", "torch,nope"]) == 2
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import model_zoo
+
 CALLS = 40
 ROUNDS = 5
 POOL = 64  # distinct input sets cycled by the fresh column
@@ -30,9 +32,11 @@ SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS 
 HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
        "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
        "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
-       "fresh = a forward graph per call. torch = PyTorch's own op (F.layer_norm, F.rms_norm, and the eager "
-       "AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`). Shapes: LN/RMS {rows}x{cols} "
-       "bf16 with bf16 weights; AdaLN {ada} bf16 with scale/shift chunks of one [B, 6D] tensor (DiT).")
+       "fresh = a forward graph per call. cudnorm = the default policy (PyTorch's op below 2**24 elements, "
+       "cudnorm._policy); cudnorm-cudnn = every call on cuDNN (CUDNORM_POLICY=cudnn); torch = PyTorch's own op "
+       "(F.layer_norm, F.rms_norm, and the eager AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + "
+       "shift[:, None]`). Shapes: LN/RMS {rows}x{cols} bf16 with bf16 weights; AdaLN {ada} bf16 with "
+       "scale/shift chunks of one [B, 6D] tensor (DiT).")
 
 
 def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | None = None) -> float:
@@ -49,6 +53,10 @@ def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | No
         samples.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return sorted(samples)[len(samples) // 2]
+
+
+OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
+PROVIDERS = ("cudnorm", "cudnorm-cudnn", "torch")
 
 
 def _dit_formula(x, scale, shift):
@@ -75,15 +83,17 @@ def _ops(rows: int, cols: int, ada_shape: tuple[int, int, int]):
         shift, scale = emb.chunk(6, dim=1)[:2]
         return x, scale, shift
 
-    return [
-        ("layer_norm", "cudnorm", rows_input, lambda x: cudnorm.layer_norm(x, (cols,), w, b)),
-        ("layer_norm", "torch", rows_input, lambda x: F.layer_norm(x, (cols,), w, b)),
-        ("rms_norm", "cudnorm", rows_input, lambda x: cudnorm.rms_norm(x, (cols,), w, 1e-6)),
-        ("rms_norm", "torch", rows_input, lambda x: F.rms_norm(x, (cols,), w, 1e-6)),
-        ("ada_layer_norm", "cudnorm", ada_input,
-         lambda x, scale, shift: cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)),
-        ("ada_layer_norm", "torch", ada_input, _dit_formula),
-    ]
+    def ada(x, scale, shift):
+        return cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)
+
+    ops = []
+    for mine in PROVIDERS[:-1]:  # cudnorm (default policy), cudnorm-cudnn (every call on cuDNN)
+        ops += [("layer_norm", mine, rows_input, lambda x: cudnorm.layer_norm(x, (cols,), w, b)),
+                ("rms_norm", mine, rows_input, lambda x: cudnorm.rms_norm(x, (cols,), w, 1e-6)),
+                ("ada_layer_norm", mine, ada_input, ada)]
+    return ops + [("layer_norm", "torch", rows_input, lambda x: F.layer_norm(x, (cols,), w, b)),
+                  ("rms_norm", "torch", rows_input, lambda x: F.rms_norm(x, (cols,), w, 1e-6)),
+                  ("ada_layer_norm", "torch", ada_input, _dit_formula)]
 
 
 def _cycle(items: list):
@@ -131,8 +141,11 @@ def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (
     """``([{"op", "direction", "provider", "same_us", "fresh_us"}], how it was measured)`` on the
     current CUDA device."""
     results = []
-    for op, provider, make, forward in _ops(rows, cols, ada_shape):
-        measured = _measure(make, forward)
+    ops = _ops(rows, cols, ada_shape)
+    _measure(*ops[-3][2:])  # warm-up, not kept: the first op measured in a process pays one-time costs
+    for op, provider, make, forward in sorted(ops, key=lambda o: OPS.index(o[0])):
+        with model_zoo.provider_settings(provider):
+            measured = _measure(make, forward)
         for direction in ("fwd-infer", "fwd-train", "bwd"):
             results.append({"op": op, "direction": direction, "provider": provider,
                             "same_us": measured[f"{direction} same"], "fresh_us": measured[f"{direction} fresh"]})
@@ -162,7 +175,13 @@ BREAKDOWN_HOW = ("Host us of each stage of cudnorm's path timed alone, as host_o
 
 def breakdown(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)) -> list[dict]:
     """Where the host time of a call goes: each stage of cudnorm's path timed alone (same
-    tensors, GPU held busy), beside the whole call. ``[{"call", "stage", "us"}]``."""
+    tensors, GPU held busy), beside the whole call. ``[{"call", "stage", "us"}]``. Every
+    call runs cudnorm's cuDNN path (``CUDNORM_POLICY=cudnn``), the path it takes apart."""
+    with model_zoo.provider_settings("cudnorm-cudnn"):
+        return _breakdown(rows, cols, ada_shape)
+
+
+def _breakdown(rows, cols, ada_shape):
     import importlib  # noqa: PLC0415
 
     import cudnorm  # noqa: PLC0415

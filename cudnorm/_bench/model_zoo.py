@@ -68,6 +68,26 @@ def _cudnorm_module(name: str):
     return make
 
 
+def norm_provider(provider: str) -> str:
+    """The norms a provider's model is built with: ``cudnorm-cudnn`` is cudnorm's modules run
+    with every call on cuDNN (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in
+    a second model, the run's noise floor (its ratio to ``torch`` is 1.00x but for noise)."""
+    return {"cudnorm-cudnn": "cudnorm", "torch-again": "torch"}.get(provider, provider)
+
+
+def provider_settings(provider: str):
+    """A context manager for everything a provider's model runs (build, compile, steps):
+    ``cudnorm-cudnn`` sets ``CUDNORM_POLICY=cudnn``, the others change nothing. Compiled
+    blocks keep the policy of their tracing."""
+    import contextlib  # noqa: PLC0415
+
+    if provider != "cudnorm-cudnn":
+        return contextlib.nullcontext()
+    from cudnorm import _settings  # noqa: PLC0415
+
+    return _settings.replaced(policy="cudnn")
+
+
 # (norm, provider) -> factory(hidden, eps): the module computing what PyTorch's own computes
 _NORM_FACTORIES = {
     ("rms", "torch"): lambda hidden, eps: nn.RMSNorm(hidden, eps=eps),
@@ -81,12 +101,12 @@ _NORM_FACTORIES = {
 
 def rms_factory(provider: str) -> Callable[[int, float], nn.Module]:
     """``factory(hidden, eps)`` -> an RMSNorm computing what ``nn.RMSNorm`` computes."""
-    return _NORM_FACTORIES[("rms", provider)]
+    return _NORM_FACTORIES[("rms", norm_provider(provider))]
 
 
 def ln_factory(provider: str) -> Callable[[int, float], nn.Module]:
     """``factory(hidden, eps)`` -> an affine LayerNorm (weight ones, bias zeros)."""
-    return _NORM_FACTORIES[("ln", provider)]
+    return _NORM_FACTORIES[("ln", norm_provider(provider))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,8 +157,8 @@ class DiT(nn.Module):
 
 
 def build_dit(dim: int, heads: int, depth: int, provider: str) -> DiT:
-    """A seeded DiT whose norms are ``provider``'s (``torch`` or ``cudnorm``)."""
-    norm_mod = {"torch": torch_norm_mod, "cudnorm": cudnorm_norm_mod}[provider]()
+    """A seeded DiT whose norms are ``provider``'s (``torch``, ``cudnorm``, ``cudnorm-cudnn``)."""
+    norm_mod = {"torch": torch_norm_mod, "cudnorm": cudnorm_norm_mod}[norm_provider(provider)]()
     torch.manual_seed(0)
     return DiT(dim, heads, depth, norm_mod)
 
@@ -384,7 +404,8 @@ def _dit_cases(dims, seqs, batches, depth) -> list[Case]:
 
 def _llama_cases(hidden, heads, inter, layers, train_bs, decode_batches, context) -> list[Case]:
     b, s = train_bs
-    cases = [Case("llama", f"llama-{hidden}-b{b}-s{s}", "train", b, s, hidden, heads, layers, inter)]
+    cases = [Case("llama", f"llama-{hidden}-b{b}-s{s}", mode, b, s, hidden, heads, layers, inter)
+             for mode in ("train", "train-compile")]
     return cases + [Case("llama", f"llama-{hidden}", f"decode-b{n}", n, context // 2, hidden, heads, layers, inter,
                          context) for n in decode_batches]
 
@@ -394,17 +415,21 @@ def all_cases(quick: bool) -> list[Case]:
     if quick:
         return (_dit_cases([(64, 4)], [16], [2], depth=2)
                 + _llama_cases(64, 4, 128, 2, (2, 32), (1, 2), context=64)
-                + [Case("gpt2", "gpt2-64-b2-s32", "train", 2, 32, 64, 4, 2)])
+                + [Case("gpt2", "gpt2-64-b2-s32", mode, 2, 32, 64, 4, 2) for mode in ("train", "train-compile")])
     return (_dit_cases([(1152, 16), (3072, 24)], [256, 1024], [2, 8, 32], depth=4)
             + _llama_cases(4096, 32, 11008, 4, (2, 4096), (1, 32), context=1024)
-            + [Case("gpt2", "gpt2-1024-b8-s1024", "train", 8, 1024, 1024, 16, 4)])
+            + [Case("gpt2", "gpt2-1024-b8-s1024", mode, 8, 1024, 1024, 16, 4) for mode in ("train", "train-compile")])
 
 
 def select(cases: list[Case], filter_text: str | None, device: str, quick: bool) -> list[Case]:
     """Cases whose id contains any comma-separated term of ``filter_text`` ("all": every
-    case). Compile modes run on a GPU in a full run, elsewhere only when a term names them."""
+    case); a term that is a whole case id selects that case only (``dit-1152-b8-s256:train``
+    not its ``:train-compile``). Compile modes run on a GPU in a full run, elsewhere only
+    when a term names them."""
     terms = [] if filter_text in (None, "", "all") else [t.strip() for t in filter_text.split(",") if t.strip()]
-    chosen = [c for c in cases if not terms or any(t in c.id for t in terms)]
+    ids = {c.id for c in cases}
+    exact, parts = {t for t in terms if t in ids}, [t for t in terms if t not in ids]
+    chosen = [c for c in cases if not terms or c.id in exact or any(t in c.id for t in parts)]
     if device != "cuda" or quick:
         chosen = [c for c in chosen if not c.compiled or any("compile" in t for t in terms)]
     return chosen
@@ -422,7 +447,7 @@ def norm_work(case: Case, provider: str, device: str, dtype: torch.dtype) -> Cal
     dy = torch.randn_like(x)
     if case.model == "dit":
         count = 2 * case.depth
-        fn = (torch_norm_mod if provider == "torch" else cudnorm_norm_mod)()
+        fn = (torch_norm_mod if norm_provider(provider) == "torch" else cudnorm_norm_mod)()
         mod = torch.randn(b, 6 * d, device=device, dtype=dtype, requires_grad=case.train)
         args, leaves = lambda: (x, *mod.chunk(6, dim=1)[:2]), [x, mod]  # chunk views, as in the block
     else:

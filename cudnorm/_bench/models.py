@@ -21,7 +21,8 @@ How a case is measured (:func:`run_case`):
    first Linear weight) is its relative L2 distance from the torch provider's result.
 2. Rounds: in every round each provider runs ``K`` back-to-back steps in turn (so drift of
    clocks or temperature hits all alike), one synchronize at the end: ``step_ms`` is the
-   median over rounds of wall time / K. Every step draws fresh ``torch.randn`` inputs inside
+   median over rounds of wall time / K. At least 5 rounds, more (up to 40) until every
+   provider has 3 s of timed steps. Every step draws fresh ``torch.randn`` inputs inside
    the timed loop, the same code for every provider; training steps set grads to None, run
    forward, ``out.float().square().mean().backward()``; no optimizer. Then a few single steps,
    each after a synchronize: ``host_ms`` is the median time until the Python call of
@@ -37,6 +38,7 @@ PyTorch's norms in the same run).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -52,8 +54,13 @@ from .._progress import progress
 
 COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
            "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
-PROVIDERS = ("torch", "cudnorm", "liger")
-MODEL_PROVIDERS = {"dit": ("torch", "cudnorm"), "llama": PROVIDERS, "gpt2": PROVIDERS}  # Liger has no AdaLN
+# Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (CUDNORM_POLICY=cudnn),
+# the evidence for the default policy's choices (cudnorm._policy); torch-again, PyTorch's
+# norms in a second model instance, whose ratio to torch is the run's noise floor
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "torch-again")
+DEFAULT_PROVIDERS = ("torch", "cudnorm", "liger")
+MODEL_PROVIDERS = {"dit": ("torch", "cudnorm", "cudnorm-cudnn", "torch-again"),  # Liger has no AdaLN
+                   "llama": PROVIDERS, "gpt2": PROVIDERS}
 MODEL_TITLES = {"dit": "DiT (AdaLN)", "llama": "Llama (RMSNorm)", "gpt2": "GPT-2 (LayerNorm)"}
 
 LEGEND = """\
@@ -74,6 +81,10 @@ class Settings:
     steps: int = 10
     decode_steps: int = 50
     warmup: int = 3
+    # more rounds, up to max_rounds, until each provider has min_timed_s of timed steps: steps
+    # of a few ms are host-bound, and a lent host's jitter moved 5-round medians by +-10%
+    min_timed_s: float = 3.0
+    max_rounds: int = 40
 
     def k(self, case: Case) -> int:
         return self.decode_steps if case.decode else self.steps
@@ -82,7 +93,7 @@ class Settings:
         return max(1, self.k(case) // 5)
 
 
-QUICK_SETTINGS = Settings(rounds=2, steps=2, decode_steps=2, warmup=1)
+QUICK_SETTINGS = Settings(rounds=2, steps=2, decode_steps=2, warmup=1, min_timed_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,11 +161,13 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
         return Workload(model, forward, inputs, case.train)
     if case.model == "gpt2":
         model = model_zoo.build_gpt(d, case.heads, case.depth, provider).to(device, dtype)
-        return Workload(model, model, _randn((b, s, d), device, dtype), case.train)
+        forward = torch.compile(model, dynamic=False) if case.compiled else model
+        return Workload(model, forward, _randn((b, s, d), device, dtype), case.train)
     max_pos = max(case.context, s)
     model = model_zoo.build_llama(d, case.heads, case.intermediate, case.depth, provider, max_pos).to(device, dtype)
     if not case.decode:
-        return Workload(model, model, _randn((b, s, d), device, dtype), case.train)
+        forward = torch.compile(model, dynamic=False) if case.compiled else model
+        return Workload(model, forward, _randn((b, s, d), device, dtype), case.train)
     model.make_cache(b, case.context, prefill=s)
     return Workload(model, model.decode_step, _randn((b, 1, d), device, dtype), train=False)
 
@@ -242,30 +255,37 @@ def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Worklo
     live, reference = {}, None
     for p in providers:
         try:
-            w = build(case, p, device, dtype)
-            start = time.perf_counter()
-            # decode: walk the whole cache once. SDPA can plan a kernel per key length on first
-            # use (tens of ms each on an H100 at small head sizes, cached process-wide), so the
-            # first provider to reach each length would otherwise pay for all of them
-            for _ in range(settings.warmup + (case.context - case.seq if case.decode else 0)):
-                w.step()
-            _sync(device)
-            if case.compiled:
-                rows[p]["compile_s"] = time.perf_counter() - start
-            out, grad = _check_result(w, case, device)
-            if p == "torch":
-                reference = (out, grad)
-            if reference is not None:
-                rows[p]["rel_diff"] = _rel(out, reference[0])
-                if grad is not None:
-                    rows[p]["grad_rel_diff"] = _rel(grad, reference[1])
-            del out, grad
-            live[p] = w
+            with model_zoo.provider_settings(p):
+                reference = _prepare_one(case, p, settings, device, dtype, rows, live, reference)
         except Exception as exc:  # noqa: BLE001 - OOM, missing kernel...: reported, the rest runs
             rows[p]["status"] = runner.describe(exc)
-            w = None  # drop a half-built model before the next provider is built
+            live.pop(p, None)  # drop a half-built model before the next provider is built
             runner.free(device, collect=True)
     return live
+
+
+def _prepare_one(case, p, settings, device, dtype, rows, live, reference):
+    """Build, warm up and check provider ``p`` into ``live``; returns the torch provider's
+    ``(output, grad)`` once it has run (the reference of the others)."""
+    w = build(case, p, device, dtype)
+    start = time.perf_counter()
+    # decode: walk the whole cache once. SDPA can plan a kernel per key length on first
+    # use (tens of ms each on an H100 at small head sizes, cached process-wide), so the
+    # first provider to reach each length would otherwise pay for all of them
+    for _ in range(settings.warmup + (case.context - case.seq if case.decode else 0)):
+        w.step()
+    _sync(device)
+    if case.compiled:
+        rows[p]["compile_s"] = time.perf_counter() - start
+    out, grad = _check_result(w, case, device)
+    if p == "torch":
+        reference = (out, grad)
+    if reference is not None:
+        rows[p]["rel_diff"] = _rel(out, reference[0])
+        if grad is not None:
+            rows[p]["grad_rel_diff"] = _rel(grad, reference[1])
+    live[p] = w
+    return reference
 
 
 def _interleave(case, live, settings, device, rows) -> None:
@@ -274,7 +294,8 @@ def _interleave(case, live, settings, device, rows) -> None:
     steps = {p: [] for p in live}
     hosts = {p: [] for p in live}
     names = list(live)
-    for r in range(settings.rounds):
+    rounds, r = settings.rounds, 0
+    while r < rounds:
         for p in names[r % len(names):] + names[:r % len(names)]:
             if p not in live:
                 continue
@@ -282,8 +303,9 @@ def _interleave(case, live, settings, device, rows) -> None:
                 if device == "cuda":
                     _sync(device)
                     torch.cuda.reset_peak_memory_stats()
-                steps[p].append(_timed_steps(live[p], settings.k(case), device))
-                hosts[p] += [_host_step(live[p], device) for _ in range(settings.host_samples(case))]
+                with model_zoo.provider_settings(p):
+                    steps[p].append(_timed_steps(live[p], settings.k(case), device))
+                    hosts[p] += [_host_step(live[p], device) for _ in range(settings.host_samples(case))]
                 if device == "cuda":
                     peak = torch.cuda.max_memory_allocated() / 2**30
                     rows[p]["max_mem_gib"] = max(rows[p]["max_mem_gib"] or 0.0, peak)
@@ -291,6 +313,10 @@ def _interleave(case, live, settings, device, rows) -> None:
                 rows[p]["status"] = runner.describe(exc)
                 del live[p]
                 runner.free(device, collect=True)
+        if r == 0 and steps and any(steps.values()):  # cheap steps get more rounds: host noise
+            slowest = max(v[0] for v in steps.values() if v) * settings.k(case) / 1e3
+            rounds = max(settings.rounds, min(settings.max_rounds, math.ceil(settings.min_timed_s / slowest)))
+        r += 1
     for p in live:
         rows[p]["step_ms"] = statistics.median(steps[p])
         rows[p]["host_ms"] = statistics.median(hosts[p])
@@ -340,7 +366,8 @@ def run_case(case: Case, providers: list[str], settings: Settings, device: str, 
             if device != "cuda" or rows[p]["step_ms"] is None:
                 continue
             try:
-                rows[p]["norm_ms"] = norm_ms(case, p, device, dtype)
+                with model_zoo.provider_settings(p):
+                    rows[p]["norm_ms"] = norm_ms(case, p, device, dtype)
             except Exception as exc:  # noqa: BLE001 - the step numbers stand without it
                 rows[p]["status"] = f"ok (norm_ms: {runner.describe(exc)})"
             runner.free(device, collect=True)
@@ -381,7 +408,7 @@ def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
         by_case = {}
         for r in mine:
             by_case.setdefault(r["case"], {})[r["provider"]] = r
-        peers = [p for p in ("cudnorm", "liger") if any(p in got for got in by_case.values())]
+        peers = [p for p in PROVIDERS[1:] if any(p in got for got in by_case.values())]
         lines = [["case", "torch ms", *(f"{p} ms" for p in peers), "host ms torch / cudnorm",
                   "saving ms kernel / step", "cudnorm rel diff out / grad"]]
         for case, got in by_case.items():
@@ -472,7 +499,7 @@ def run(args, out: Path) -> int:
     the tables last. Returns 1 when a cudnorm row failed, 2 when the arguments select nothing."""
     started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    asked = [n.strip() for n in (args.providers or ",".join(PROVIDERS)).split(",") if n.strip()]
+    asked = [n.strip() for n in (args.providers or ",".join(DEFAULT_PROVIDERS)).split(",") if n.strip()]
     unknown = [n for n in asked if n not in PROVIDERS]
     cases = select(all_cases(args.quick), args.models, device, args.quick)
     if unknown or not cases:
@@ -493,7 +520,8 @@ def run(args, out: Path) -> int:
         report.write_csv(rows, out / "models.csv", columns=COLUMNS)  # current after every case
     meta = {"command": _command(args), "device": device_name, "versions": _versions(),
             "dtype": str(dtype).removeprefix("torch."),
-            "loop": f"{settings.rounds} rounds x K = {settings.steps} steps ({settings.decode_steps} decode), "
+            "loop": f"{settings.rounds}-{settings.max_rounds} rounds (until {settings.min_timed_s:g} s of steps) x "
+                    f"K = {settings.steps} steps ({settings.decode_steps} decode), "
                     f"{settings.warmup} warm-up steps",
             "providers": "; ".join(notes), "run time": f"{time.perf_counter() - started:.0f} s"}
     return _write_and_print(rows, meta, out)
@@ -506,7 +534,7 @@ def _write_and_print(rows: list[dict], meta: dict, out: Path) -> int:
     (out / "models.md").write_text(markdown(meta, lines_by_title))
     print(f"\nwrote {out / 'models.csv'}, {out / 'models.md'}"
           + (f", {png}" if png else " (no PNG: matplotlib missing or nothing timed)") + f" after {meta['run time']}")
-    failed = [r for r in rows if r["provider"] == "cudnorm" and not r["status"].startswith("ok")]
+    failed = [r for r in rows if r["provider"].startswith("cudnorm") and not r["status"].startswith("ok")]
     for r in failed:
         print(f"FAILED: cudnorm {r['case']}: {r['status']}")
     print("\n" + LEGEND)

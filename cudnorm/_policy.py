@@ -1,0 +1,52 @@
+"""Which kernels serve a call: cuDNN's graphs, or PyTorch's own ops where those make the
+model faster.
+
+A cudnorm call costs more host time than PyTorch's C++ op (argument handling, plan lookup,
+an ``autograd.Function`` node and a Python backward; docs/performance.md, "Where the host
+time goes"). When a model step is bound by the host, the GPU runs each kernel as soon as it
+is enqueued and that extra host time is added to the step, while the kernel saving of a
+small norm is a few microseconds; only when the GPU bounds the step does the host time hide
+behind queued kernels and the cuDNN kernel's saving reach the step. Under ``torch.compile``
+Inductor fuses PyTorch's norm with the ops around it (the modulation, residual adds), which
+an opaque custom op prevents.
+
+Rules for ``CUDNORM_POLICY=auto`` (the default), for a call whose weights (scale/shift)
+have the input's dtype; where PyTorch's ops serve, the public functions call them directly,
+with no cudnorm op or autograd node in between:
+
+1. tensors not on a CUDA device (CPU, meta): PyTorch's ops (there is no cuDNN path);
+2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
+3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements: PyTorch's ops;
+4. otherwise cuDNN.
+
+Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its
+forward rounds the weights as cuDNN reads them, and its weight gradients stay fp32; on the
+CPU, PyTorch's kernels in fp32). ``CUDNORM_POLICY=cudnn`` sends every call to cudnorm's own
+path: cuDNN wherever it can serve (benchmarks and tests of that path use it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _settings
+
+# Eager calls with at least this many input elements run on cuDNN. Model steps with fresh
+# inputs on a lent H100, bf16 (docs/performance.md, decisions): every configuration below
+# it lost with cuDNN (GPT-2 1024-wide LayerNorm at 8 x 1024 tokens = 2**23 elements 0.81x,
+# DiT 1152 AdaLN at 2048 tokens 0.86x, host-bound steps), every one above it won (Llama
+# RMSNorm at 2 x 4096 x 4096 = 2**25 1.01x, DiT AdaLN at 8 x 1024 x 3072 1.04x and
+# 32 x 1024 x 1152 1.06x, GPU-bound steps).
+CUDNN_MIN_ELEMENTS = 1 << 24
+
+
+def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether PyTorch's own op should serve this call (rules in the module docstring).
+    ``params``: the call's weight-like tensors (``None`` for absent ones). Runs on every
+    call: attribute reads and one comparison."""
+    if _settings.current.policy != "auto":
+        return False
+    for p in params:
+        if p is not None and p.dtype is not input.dtype:
+            return False
+    return not input.is_cuda or torch.compiler.is_compiling() or input.numel() < CUDNN_MIN_ELEMENTS

@@ -1,0 +1,184 @@
+"""The kernel policy (cudnorm._policy): which calls PyTorch's own ops serve under the default
+``CUDNORM_POLICY=auto``, that those calls compute what PyTorch computes, build no cuDNN plan
+and keep cudnorm's argument errors, and that ``CUDNORM_POLICY=cudnn`` restores cudnorm's own
+path. CPU tests run everywhere; the ``gpu`` ones check the size and compile rules on CUDA."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnorm
+from cudnorm import _policy
+from cudnorm import reference as ref
+from cudnorm.ada_layer_norm import _eager_formula
+
+gpu = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def auto(cudnorm_env):
+    cudnorm_env("CUDNORM_POLICY", "auto")
+
+
+def _cuda_like(numel, dtype=BF16):
+    """What torch_serves reads of a CUDA tensor, without one."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, numel=lambda: numel)
+
+
+def test_rules(auto, monkeypatch):
+    big, small = _policy.CUDNN_MIN_ELEMENTS, _policy.CUDNN_MIN_ELEMENTS - 1
+    w16, w32 = torch.empty(1, dtype=BF16), torch.empty(1)
+    assert _policy.torch_serves(_cuda_like(small), w16, None)
+    assert not _policy.torch_serves(_cuda_like(big), w16, None)
+    assert not _policy.torch_serves(_cuda_like(small), w32)  # fp32 weights: cudnorm's rounding path
+    assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w16)  # CPU
+    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _policy.torch_serves(_cuda_like(big), w16)  # traced: Inductor fuses PyTorch's ops
+
+
+def test_cudnn_policy_serves_nothing_to_torch(cudnorm_env):
+    cudnorm_env("CUDNORM_POLICY", "cudnn")
+    assert not _policy.torch_serves(_cuda_like(1))
+    assert not _policy.torch_serves(torch.empty(2, 4))
+
+
+def test_bad_policy_value_is_named(cudnorm_env):
+    with pytest.raises(ValueError, match="CUDNORM_POLICY"):
+        cudnorm_env("CUDNORM_POLICY", "fastest")
+
+
+def _rows_inputs(dtype, n=64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, n, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(n, generator=g)).to(dtype).requires_grad_()
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_routed_layer_and_rms_norm_are_pytorchs_ops(auto, dtype):
+    x, w, b = _rows_inputs(dtype)
+    for mine, theirs in ((lambda: cudnorm.layer_norm(x, (64,), w, b, 1e-5), lambda: F.layer_norm(x, (64,), w, b, 1e-5)),
+                         (lambda: cudnorm.rms_norm(x, 64, w, 1e-6), lambda: F.rms_norm(x, (64,), w, 1e-6))):
+        y = mine()
+        assert "cudnorm" not in type(y.grad_fn).__name__  # PyTorch's own autograd node
+        got = torch.autograd.grad(y.float().square().sum(), (x, w))
+        want_y = theirs()
+        want = torch.autograd.grad(want_y.float().square().sum(), (x, w))
+        assert torch.equal(y, want_y)
+        for a, e in zip(got, want):
+            assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dit", [True, False])
+def test_routed_ada_layer_norm_meets_the_error_rule(auto, dit):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 40, 96, generator=g).to(BF16)
+    scale = ((0.0 if dit else 1.0) + 0.1 * torch.randn(2, 96, generator=g)).to(BF16)
+    shift = (0.1 * torch.randn(2, 96, generator=g)).to(BF16)
+    dy = torch.randn(x.shape, generator=g).to(BF16)
+    y = cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=dit)
+    assert type(y.grad_fn).__name__ != "_AdaLayerNormFunctionBackward"
+    rows = ref.accuracy_report(lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
+                               lambda x, sc, sh: _eager_formula(x, sc, sh, 1e-6, dit),
+                               lambda x, sc, sh: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
+                               (x, scale, shift), dy, ("y", "dx", "dscale", "dshift"), BF16)
+    assert all(r["ok"] for r in rows), rows
+
+
+def test_routed_calls_keep_cudnorm_errors(auto):
+    x, w, b = _rows_inputs(BF16)
+    with pytest.raises(ValueError, match=r"cudnorm\.layer_norm.*'weight'"):
+        cudnorm.layer_norm(x, (64,), w[:10], b)
+    with pytest.raises(ValueError, match=r"cudnorm\.rms_norm.*'eps'"):
+        cudnorm.rms_norm(x, (64,), w, -1.0)
+    with pytest.raises(ValueError, match=r"cudnorm\.ada_layer_norm.*'scale'"):
+        cudnorm.ada_layer_norm(x, w[None, :10], b[None].expand(3, 64))
+
+
+def _graph_ops(fn, *args):
+    """The call targets of the FX graph torch.compile traces for ``fn(*args)``."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return " ".join(str(node.target) for gm in graphs for node in gm.graph.nodes)
+
+
+def test_compiled_graph_holds_cudnorm_op_only_under_cudnn_policy(cudnorm_env):
+    x = torch.randn(4, 64)
+    w = torch.ones(64)
+    fn = lambda x, w: cudnorm.layer_norm(x, (64,), w, None)  # noqa: E731
+    cudnorm_env("CUDNORM_POLICY", "cudnn")
+    assert "cudnorm" in _graph_ops(fn, x, w)
+    cudnorm_env("CUDNORM_POLICY", "auto")
+    assert "cudnorm" not in _graph_ops(fn, x, w)
+
+
+# ---------------------------------------------------------------- GPU: size and compile rules
+
+@gpu
+def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):
+    x = torch.randn(2, 256, 1152, device="cuda", dtype=BF16, requires_grad=True)
+    w = torch.randn(1152, device="cuda", dtype=BF16, requires_grad=True)
+    mod = torch.randn(2, 2 * 1152, device="cuda", dtype=BF16, requires_grad=True)
+    scale, shift = mod.chunk(2, dim=1)
+    for _ in range(3):  # fresh outputs every call, as in a training loop
+        y = cudnorm.layer_norm(x, (1152,), w, w)
+        assert torch.equal(y, F.layer_norm(x, (1152,), w, w))
+        y = cudnorm.rms_norm(x, (1152,), w, 1e-6)
+        assert torch.equal(y, F.rms_norm(x, (1152,), w, 1e-6))
+        cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True).sum().backward()
+    info = cudnorm.cache_info()
+    assert info.builds == 0 and info.misses == 0, info
+    assert cudnorm.serving_path("layer_norm", x).startswith("torch (small call")
+
+
+@gpu
+def test_large_and_mixed_dtype_cuda_calls_run_on_cudnn(auto, fresh_cache):
+    n = _policy.CUDNN_MIN_ELEMENTS // 4096
+    x = torch.randn(n, 4096, device="cuda", dtype=BF16)
+    w = torch.ones(4096, device="cuda", dtype=BF16)
+    assert cudnorm.serving_path("rms_norm", x) == "cudnn"
+    with torch.no_grad():
+        cudnorm.rms_norm(x, (4096,), w, 1e-6)
+        assert cudnorm.cache_info().builds == 1
+        cudnorm.rms_norm(x[:1024], (4096,), w.float(), 1e-6)  # fp32 weight: cudnorm's own path at any size
+    assert cudnorm.cache_info().builds == 2
+
+
+@gpu
+def test_compiled_cuda_calls_trace_pytorchs_ops(auto, fresh_cache):
+    n = _policy.CUDNN_MIN_ELEMENTS // 1024
+    x = torch.randn(n // 256, 256, 1024, device="cuda", dtype=BF16)
+    mod = torch.randn(n // 256, 2 * 1024, device="cuda", dtype=BF16)
+    fn = lambda x, mod: cudnorm.ada_layer_norm(x, *mod.chunk(2, dim=1), 1e-6, one_plus_scale=True)  # noqa: E731
+    assert "cudnorm" not in _graph_ops(fn, x, mod)
+    with torch.no_grad():
+        got = torch.compile(fn, fullgraph=True)(x, mod)
+        want = _eager_formula(x, *mod.chunk(2, dim=1), 1e-6, True)
+        exact = ref.ada_layer_norm(x, *mod.chunk(2, dim=1), 1e-6, dit=True)
+    # Inductor's fused kernel rounds once where the eager formula rounds three times
+    assert ref.rel_error(got, exact) <= ref.error_bound(ref.rel_error(want, exact), BF16)
+    assert cudnorm.cache_info().builds == 0
+
+
+def test_modules_follow_the_policy(cudnorm_env):
+    x = torch.randn(2, 5, 64, dtype=BF16, requires_grad=True)
+    for mine, theirs in ((cudnorm.LayerNorm(64), torch.nn.LayerNorm(64)), (cudnorm.RMSNorm(64), torch.nn.RMSNorm(64))):
+        mine, theirs = mine.to(BF16), theirs.to(BF16)
+        cudnorm_env("CUDNORM_POLICY", "auto")
+        y = mine(x)
+        assert "cudnorm" not in type(y.grad_fn).__name__ and torch.equal(y, theirs(x))
+        cudnorm_env("CUDNORM_POLICY", "cudnn")
+        node = mine(x).grad_fn.next_functions[0][0]  # under the view back to [2, 5, 64]
+        assert "Function" in type(node).__name__  # cudnorm's own autograd node
