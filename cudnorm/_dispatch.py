@@ -254,6 +254,19 @@ def register_autograd(name: str, setup_context, backward) -> None:
     torch.library.register_autograd(f"cudnorm::{name}", op_backward, setup_context=setup, lib=_LIBRARY)
 
 
+def differentiable_grads(forward, inputs: tuple, dy: torch.Tensor) -> list[torch.Tensor | None]:
+    """Gradients of ``forward(*inputs)`` for ``dy`` that are themselves differentiable: the
+    backward of an op when autograd runs it with ``create_graph=True`` (gradient penalties,
+    Hessian-vector products). cuDNN's backward graphs compute numbers, not a graph, so the
+    ops recompute their forward in PyTorch's fp32 ops here and differentiate that; the
+    result is connected to ``inputs`` and ``dy``. ``None`` for inputs that are ``None`` or do
+    not require grad."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(forward(*inputs), wanted, dy, create_graph=True)) if wanted else iter(())
+    return [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+
+
 def stats_buffer(rows: int, count: int, device: torch.device) -> torch.Tensor:
     """Fresh fp32 ``[count, ceil4(rows)]`` statistics (LayerNorm/AdaLN: mean, rstd): one
     allocation whose rows each start 16-byte aligned, as cuDNN's descriptors require. A

@@ -419,10 +419,11 @@ ada_layer_norm_bwd = _dispatch.define_op(
 
 
 def _setup_context(ctx, inputs, output):
-    x, scale, shift, _eps, one_plus_scale, _training = inputs
+    x, scale, shift, eps, one_plus_scale, _training = inputs
     ctx.save_for_backward(x, scale, output[1])
     ctx.one_plus_scale = one_plus_scale
     ctx.shift_dtype = shift.dtype
+    ctx.eps = eps
 
 
 def _make_backward(backward_fn):
@@ -434,10 +435,26 @@ def _make_backward(backward_fn):
         if stats.numel() == 0:
             raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
-        dx, dscale, dshift = backward_fn(dy, x, scale, stats, ctx.one_plus_scale, ctx.shift_dtype)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            dx, dscale, dshift = _differentiable_backward(dy, x, scale, ctx.eps, ctx.one_plus_scale, ctx.shift_dtype)
+        else:
+            dx, dscale, dshift = backward_fn(dy, x, scale, stats, ctx.one_plus_scale, ctx.shift_dtype)
         return dx, dscale, dshift, None, None, None
 
     return backward
+
+
+def _differentiable_backward(dy, x, scale, eps, one_plus_scale, shift_dtype):
+    """``(dx, dscale, dshift)`` as graphs for double backward (``_dispatch.differentiable_grads``):
+    the fp32 formula without its shift, whose gradient is ``dy`` summed over the tokens."""
+
+    def forward(x, scale):
+        gain = scale.float() + 1 if one_plus_scale else scale.float()
+        return F.layer_norm(x.float(), (x.shape[-1],), eps=eps) * gain.unsqueeze(1)
+
+    dx, dscale = _dispatch.differentiable_grads(forward, (x, scale), dy.float())
+    dshift = dy.float().sum(1).to(shift_dtype)
+    return (None if dx is None else dx.to(x.dtype), None if dscale is None else dscale.to(scale.dtype), dshift)
 
 
 _dispatch.register_autograd("ada_layer_norm_fwd", _setup_context, _make_backward(ada_layer_norm_bwd))

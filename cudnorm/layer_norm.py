@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import _call_plans, _checks, _dispatch, _policy
 from ._graphs import Plan, eps_scalar
@@ -168,6 +169,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, eps, training = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.eps = eps
 
 
 def _make_backward(backward_fn):
@@ -179,12 +181,29 @@ def _make_backward(backward_fn):
         if stats.numel() == 0:
             raise RuntimeError("cudnorm.layer_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
-        dx, dw, db = backward_fn(dy, x, weight, stats)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            dx, dw, db = _differentiable_backward(dy, x, weight, ctx.eps)
+        else:
+            dx, dw, db = backward_fn(dy, x, weight, stats)
         dweight = None if weight is None else dw
         dbias = None if ctx.bias_dtype is None else db if db.dtype is ctx.bias_dtype else db.to(ctx.bias_dtype)
         return dx, dweight, dbias, None, None
 
     return backward
+
+
+def _differentiable_backward(dy, x, weight, eps):
+    """``(dx, dweight, dbias)`` as graphs for double backward (``_dispatch.differentiable_grads``),
+    in the dtypes of the plain backward."""
+    n = x.shape[1]
+
+    def forward(x, weight):
+        return F.layer_norm(x.float(), (n,), None if weight is None else weight.float(), None, eps)
+
+    dx, dw = _dispatch.differentiable_grads(forward, (x, weight), dy.float())
+    db = dy.float().sum(0).to(_dispatch.backward_scale_dtype(weight))
+    dw = None if dw is None else dw.to(weight.dtype)
+    return None if dx is None else dx.to(x.dtype), dw, db
 
 
 _dispatch.register_autograd("layer_norm_fwd", _setup_context, _make_backward(layer_norm_bwd))

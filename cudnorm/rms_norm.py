@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import _call_plans, _checks, _dispatch, _policy
 from ._graphs import Plan, eps_scalar
@@ -145,6 +146,7 @@ rms_norm_bwd = _dispatch.define_op(
 def _setup_context(ctx, inputs, output):
     x, weight, eps, training = inputs
     ctx.save_for_backward(x, weight, output[1])
+    ctx.eps = eps
 
 
 def _make_backward(backward_fn):
@@ -156,10 +158,24 @@ def _make_backward(backward_fn):
         if rstd.numel() == 0:
             raise RuntimeError("cudnorm.rms_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
-        dx, dw = backward_fn(dy, x, weight, rstd)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            dx, dw = _differentiable_backward(dy, x, weight, ctx.eps)
+        else:
+            dx, dw = backward_fn(dy, x, weight, rstd)
         return dx, None if weight is None else dw, None, None
 
     return backward
+
+
+def _differentiable_backward(dy, x, weight, eps):
+    """``(dx, dweight)`` as graphs for double backward (``_dispatch.differentiable_grads``)."""
+    n = x.shape[1]
+
+    def forward(x, weight):
+        return F.rms_norm(x.float(), (n,), None if weight is None else weight.float(), eps)
+
+    dx, dw = _dispatch.differentiable_grads(forward, (x, weight), dy.float())
+    return None if dx is None else dx.to(x.dtype), None if dw is None else dw.to(weight.dtype)
 
 
 _dispatch.register_autograd("rms_norm_fwd", _setup_context, _make_backward(rms_norm_bwd))
