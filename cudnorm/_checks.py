@@ -36,9 +36,10 @@ def check_input(op: str, value) -> torch.Tensor:
 
 def normalized_size(op: str, input: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
     """Validate ``normalized_shape`` against ``input``; return it as a tuple and its product."""
-    if isinstance(normalized_shape, int):
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
         shape = (normalized_shape,)
-    elif isinstance(normalized_shape, (Sequence, torch.Size)) and all(isinstance(d, int) for d in normalized_shape):
+    elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str) and all(
+            isinstance(d, int) and not isinstance(d, bool) for d in normalized_shape):
         shape = tuple(normalized_shape)
     else:
         _fail(TypeError, op, "normalized_shape", f"must be an int or a sequence of ints, got {normalized_shape!r}")
@@ -89,6 +90,7 @@ def norm_call(op: str, input, normalized_shape, params: dict, eps) -> tuple[int,
     try:
         shape = (normalized_shape,) if type(normalized_shape) is int else tuple(normalized_shape)
         fast = (isinstance(input, torch.Tensor) and input.dtype in _FAST_DTYPES and 0 < len(shape) <= input.dim()
+                and all(type(d) is int for d in shape)
                 and input.shape[-len(shape):] == shape and input.numel() > 0
                 and type(eps) is float and 0.0 <= eps < math.inf)
         if fast:
@@ -97,7 +99,7 @@ def norm_call(op: str, input, normalized_shape, params: dict, eps) -> tuple[int,
                                       or p.get_device() != input.get_device() or p.is_meta != input.is_meta):
                     fast = False
                     break
-    except TypeError:
+    except (AttributeError, TypeError):  # a non-tensor weight, a non-iterable shape: the checks below
         fast = False
     if fast:
         return math.prod(shape), eps

@@ -38,6 +38,9 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     """
     if op not in OPS:
         raise ValueError(f"cudnorm.serving_path: argument 'op' must be one of {OPS}, got {op!r}")
+    if input is not None and not isinstance(input, torch.Tensor):
+        raise TypeError(f"cudnorm.serving_path: argument 'input' must be a torch.Tensor or None, "
+                        f"got {type(input).__name__}")
     if input is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return _path(_runtime.route(torch.empty(0, dtype=torch.bfloat16, device=device)))

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
+import sys
 import tempfile
 import time
 import warnings
@@ -61,6 +64,9 @@ def encode_entry(meta: dict, blob: bytes) -> bytes:
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text + blob
 
 
+_SPEC_FIELDS = frozenset(("op", "phase", "rows", "cols", "x_dtype", "scale_dtype"))
+
+
 def _decode_header(data: bytes) -> tuple[dict, int]:
     """``(header, offset of the blob)`` from the start of an entry file."""
     if len(data) < _PREFIX.size:
@@ -79,6 +85,10 @@ def _decode_header(data: bytes) -> tuple[dict, int]:
         raise EntryError(f"unreadable header ({exc})") from None
     if not isinstance(header, dict) or not {"spec", "fingerprint", "blob_bytes", "blob_sha256"} <= set(header):
         raise EntryError("header lacks required fields")
+    spec = header["spec"]
+    if not (isinstance(spec, dict) and _SPEC_FIELDS <= set(spec) and isinstance(header["fingerprint"], dict)
+            and type(header["blob_bytes"]) is int and isinstance(header["blob_sha256"], str)):
+        raise EntryError("malformed header (a field has the wrong type)")
     return header, end
 
 
@@ -167,6 +177,9 @@ class PlanStore:
             return None
         path, fp = located
         try:
+            if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the read
+                self._warn(str(path), f"skipping {path}: not a regular file")
+                return None
             data = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -237,7 +250,7 @@ class PlanStore:
                 if path.name.endswith(_SUFFIX) or path.name.startswith(_TEMP_PREFIX):
                     try:
                         yield path, path.stat()
-                    except FileNotFoundError:  # removed by another process meanwhile
+                    except OSError:  # removed by another process meanwhile, a symlink loop
                         continue
 
     def evict(self) -> int:
@@ -249,7 +262,7 @@ class PlanStore:
             if path.name.startswith(_TEMP_PREFIX):
                 if now - st.st_mtime > _STALE_TEMP_SECONDS:
                     removed += _unlink(path)
-            else:
+            elif stat.S_ISREG(st.st_mode):
                 entries.append((st.st_mtime, st.st_size, path))
         total = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):
@@ -267,6 +280,10 @@ class PlanStore:
             if path.name.startswith(_TEMP_PREFIX):
                 continue
             row = {"path": str(path), "bytes": st.st_size, "age_s": max(0.0, now - st.st_mtime)}
+            if not stat.S_ISREG(st.st_mode):
+                row["error"] = "not a regular file"
+                rows.append(row)
+                continue
             try:
                 with open(path, "rb") as f:
                     head = f.read(_PREFIX.size)
@@ -279,8 +296,15 @@ class PlanStore:
         return rows
 
     def clear(self) -> int:
-        """Delete every entry (and empty fingerprint directory). Returns the files removed."""
-        removed = sum(_unlink(path) for path, _ in list(self._files()))
+        """Delete every entry (and empty fingerprint directory). Returns the files removed;
+        raises ``PermissionError`` naming the store when some could not be removed (a
+        read-only store)."""
+        files = [path for path, _ in self._files()]
+        removed = sum(_unlink(path) for path in files)
+        left = [path for path in files if path.exists() or path.is_symlink()]
+        if left:
+            raise PermissionError(f"cudnorm: could not remove {len(left)} of {len(files)} plan store file(s) in "
+                                  f"{self.root} (first: {left[0].name}); is the store read-only?")
         for sub in _listdir(self.root):
             if sub.is_dir():
                 try:
@@ -343,8 +367,8 @@ def max_bytes_from_env() -> int:
         value = float(raw)
     except ValueError:
         raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be a number, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be >= 0, got {raw!r}")
+    if not 0 <= value < math.inf:  # nan fails both comparisons
+        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be a finite number >= 0, got {raw!r}")
     return int(value * (1 << 20))
 
 
@@ -387,7 +411,11 @@ def run(args) -> int:
 
     store = _current()
     if args.action == "clear":
-        removed = store.clear()
+        try:
+            removed = store.clear()
+        except PermissionError as exc:
+            print(f"cudnorm cache clear: {exc}", file=sys.stderr)
+            return 1
         print(f"removed {removed} file(s) from {store.root}")
         return 0
     summary = store.info()

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -194,9 +194,15 @@ def preset_specs(name: str, *, batch: int = 1, seq: int | None = None, dtype: to
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return dtype_from_name(_DTYPE_ALIASES.get(dtype, dtype))
+    """A supported activation dtype from a ``torch.dtype`` or a name (``"bf16"``, ``"bfloat16"``...)."""
+    try:
+        parsed = dtype if isinstance(dtype, torch.dtype) else dtype_from_name(_DTYPE_ALIASES.get(dtype, dtype))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        parsed = None
+    if parsed not in _runtime.SUPPORTED_DTYPES:
+        raise (ValueError if isinstance(dtype, (str, torch.dtype)) else TypeError)(
+            f"cudnorm.warmup: argument 'dtype' must be one of bf16, fp16, fp32 (or their torch.dtype), got {dtype!r}")
+    return parsed
 
 
 # -- building -----------------------------------------------------------------------------
@@ -212,12 +218,17 @@ def resolve(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtyp
             raise ValueError(f"cudnorm.warmup: argument 'source' {str(source)!r} is neither a spec file nor a "
                              f"preset ({', '.join(sorted(PRESETS))})")
         specs = read_spec_file(source)
+    elif isinstance(source, NormSpec):
+        specs = [source]
     else:
+        if not isinstance(source, Iterable):
+            raise TypeError(f"cudnorm.warmup: argument 'source' must be a spec file path, a preset name or a list "
+                            f"of NormSpec, got {type(source).__name__}")
         specs = list(source)
         bad = [s for s in specs if not isinstance(s, NormSpec)]
         if bad:
             raise TypeError(f"cudnorm.warmup: argument 'source' must hold NormSpec objects, got {type(bad[0]).__name__}")
-    return _sorted(specs if index is None else (replace(s, device_index=index) for s in specs))
+    return _sorted(specs if index is None else (s._replace(device_index=index) for s in specs))
 
 
 def _device_index(device) -> int | None:

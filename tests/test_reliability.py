@@ -1,0 +1,110 @@
+"""Wrong arguments get a TypeError/ValueError naming the function and the argument; the plan
+store and ``cudnorm cache`` report malformed entries, special files and bad settings in a
+line instead of a traceback. Each case here failed (wrong exception type, a traceback, a
+hang) before its fix."""
+
+import os
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _plan_store, cli
+from cudnorm._plan_store import PlanStore, encode_entry
+
+from test_plan_store import fake_fingerprint, plan_, spec_  # noqa: F401 - the store test helpers
+
+X = torch.randn(4, 8)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: cudnorm.layer_norm(X, (8,), [1.0] * 8), TypeError, ("cudnorm.layer_norm", "'weight'")),
+    (lambda: cudnorm.layer_norm(X, (8,), None, 1.0), TypeError, ("cudnorm.layer_norm", "'bias'")),
+    (lambda: cudnorm.layer_norm(X, (8.0,)), TypeError, ("cudnorm.layer_norm", "'normalized_shape'")),
+    (lambda: cudnorm.rms_norm(X, (8,), [1.0] * 8), TypeError, ("cudnorm.rms_norm", "'weight'")),
+    (lambda: cudnorm.rms_norm(X, "8"), TypeError, ("cudnorm.rms_norm", "'normalized_shape'")),
+    (lambda: cudnorm.serving_path("layer_norm", [1, 2]), TypeError, ("cudnorm.serving_path", "'input'")),
+    (lambda: cudnorm.warmup(None), TypeError, ("cudnorm.warmup", "'source'")),
+    (lambda: cudnorm.warmup(42), TypeError, ("cudnorm.warmup", "'source'")),
+    (lambda: cudnorm.warmup("llama-3-8b", dtype=torch.float64), ValueError, ("cudnorm.warmup", "'dtype'")),
+    (lambda: cudnorm.warmup("llama-3-8b", dtype=[1]), TypeError, ("cudnorm.warmup", "'dtype'")),
+])
+def test_wrong_arguments_name_function_and_argument(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_warmup_takes_a_single_spec():
+    rows = cudnorm.warmup(spec_(), device=0, progress=False)
+    assert len(rows) == 1  # cuDNN unavailable on a CPU machine: reported as skipped
+
+
+def test_invalid_argument_under_fullgraph_compile_carries_cudnorms_message():
+    """Dynamo wraps an exception raised while tracing into ``Unsupported`` under
+    ``fullgraph=True`` (documented in docs/troubleshooting.md); the message keeps cudnorm's."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: cudnorm.layer_norm(x, (8,), None, None, -1.0), fullgraph=True)
+    with pytest.raises(Exception, match=r"cudnorm\.layer_norm: argument 'eps'"):
+        fn(X)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"cudnorm\.layer_norm: argument 'eps'"):  # without fullgraph: as eager
+        torch.compile(lambda x: cudnorm.layer_norm(x, (8,), None, None, -1.0))(X)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
+def test_bad_store_size_is_named(monkeypatch, value):
+    monkeypatch.setenv("CUDNORM_PLAN_STORE_MAX_MB", value)
+    with pytest.raises(ValueError, match="CUDNORM_PLAN_STORE_MAX_MB"):
+        _plan_store.max_bytes_from_env()
+
+
+def _raw_entry(path, meta):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_entry(meta, b"blob"))
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    from cudnorm import _dispatch
+
+    before = _dispatch._plan_store
+    monkeypatch.setenv("CUDNORM_PLAN_STORE_DIR", str(tmp_path / "plans"))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"cache": cli.SUBCOMMANDS["cache"]})
+    yield tmp_path / "plans"
+    _dispatch.set_plan_store(before)
+
+
+def test_cache_info_reports_malformed_and_special_entries(store_dir, capsys):
+    sub = store_dir / "fp"
+    good_spec = {"op": "layer_norm", "phase": "train", "rows": 8, "cols": 8, "x_dtype": "bf16", "scale_dtype": "bf16"}
+    for i, meta in enumerate([{"spec": "layer_norm", "fingerprint": {}}, {"fingerprint": {}}, {"spec": None,
+                              "fingerprint": {}}, {"spec": good_spec, "fingerprint": "H100"},
+                              {"spec": {"op": "layer_norm"}, "fingerprint": {}}]):
+        _raw_entry(sub / f"bad{i}.plan", meta)
+    loop = sub / "loop.plan"
+    loop.symlink_to(loop)
+    os.mkfifo(sub / "fifo.plan")
+    assert cli.main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("unreadable") == 6  # 5 malformed headers and the FIFO; the symlink loop is skipped
+    assert "not a regular file" in out
+    assert cli.main(["cache", "info", "--json"]) == 0
+
+
+def test_load_skips_a_fifo_named_like_an_entry(tmp_path):
+    store = PlanStore(tmp_path / "plans", 1 << 30, fingerprint=fake_fingerprint)
+    path = store.entry_path(spec_())
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert store.load(spec_()) is None  # returns instead of blocking on the read
+
+
+def test_cache_clear_that_cannot_remove_fails_loudly(store_dir, monkeypatch, capsys):
+    _raw_entry(store_dir / "fp" / "a.plan", {"spec": {}, "fingerprint": {}})
+    monkeypatch.setattr(_plan_store, "_unlink", lambda path: 0)  # what a read-only directory does
+    assert cli.main(["cache", "clear"]) == 1
+    err = capsys.readouterr().err
+    assert "could not remove 1 of 1" in err and "read-only" in err
