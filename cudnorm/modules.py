@@ -5,7 +5,11 @@ parameters, ``state_dict`` keys and ``repr`` are exactly PyTorch's: a checkpoint
 ``torch.nn.LayerNorm`` loads into ``cudnorm.LayerNorm`` and back.
 
 The AdaLN modules follow diffusers' classes of the same names (``linear.weight``,
-``linear.bias``, chunk orders), so a pretrained ``state_dict`` loads into them.
+``linear.bias``, chunk orders), so a pretrained ``state_dict`` loads into them. Their
+constructors take everything after ``dim`` by keyword: diffusers' classes of the same names
+order their arguments differently (``AdaLayerNormZero(dim, num_embeddings)``,
+``AdaLayerNormContinuous(dim, cond_dim, elementwise_affine, eps)``), and a positional call
+written for one must not silently build something else with the other.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class AdaLayerNorm(torch.nn.Module):
     (note the argument order: shift first, as in DiT's ``modulate``).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
 
@@ -78,14 +82,14 @@ class AdaLayerNormZero(torch.nn.Module):
     The linear layer starts at zero (DiT's init), so the block starts as the identity.
     """
 
-    def __init__(self, dim: int, cond_dim: int | None = None, eps: float = 1e-6, bias: bool = True) -> None:
+    def __init__(self, dim: int, *, cond_dim: int | None = None, eps: float = 1e-6, bias: bool = True) -> None:
         super().__init__()
         self.silu = torch.nn.SiLU()
         self.linear = torch.nn.Linear(dim if cond_dim is None else cond_dim, 6 * dim, bias=bias)
         torch.nn.init.zeros_(self.linear.weight)
         if bias:
             torch.nn.init.zeros_(self.linear.bias)
-        self.norm = AdaLayerNorm(dim, eps)
+        self.norm = AdaLayerNorm(dim, eps=eps)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor):
         """``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``
@@ -103,7 +107,7 @@ class AdaLayerNormContinuous(torch.nn.Module):
     into the per-sample scale/shift (``[B, D]`` work), so the op still reads ``x`` once.
     """
 
-    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6, elementwise_affine: bool = False,
+    def __init__(self, dim: int, *, cond_dim: int, eps: float = 1e-6, elementwise_affine: bool = False,
                  bias: bool = True) -> None:
         super().__init__()
         self.silu = torch.nn.SiLU()

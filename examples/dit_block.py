@@ -52,7 +52,7 @@ class CudnormDiTBlock(nn.Module):
 
     def __init__(self, dim: int, heads: int, cond_dim: int) -> None:
         super().__init__()
-        self.norm1 = cudnorm.AdaLayerNormZero(dim, cond_dim)
+        self.norm1 = cudnorm.AdaLayerNormZero(dim, cond_dim=cond_dim)
         self.attn = Attention(dim, heads)
         self.norm2 = cudnorm.AdaLayerNorm(dim)
         self.mlp = mlp(dim)

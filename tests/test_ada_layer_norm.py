@@ -297,7 +297,7 @@ def test_ada_layer_norm_module_is_modulate():
 
 def test_ada_layer_norm_zero_identity_at_init_and_chunk_order():
     dim, cond = 16, 8
-    module = cudnorm.AdaLayerNormZero(dim, cond)
+    module = cudnorm.AdaLayerNormZero(dim, cond_dim=cond)
     x, emb = torch.randn(2, 5, dim), torch.randn(2, cond)
     out, *gates = module(x, emb)
     torch.testing.assert_close(out, F.layer_norm(x, (dim,), eps=1e-6))
@@ -322,14 +322,14 @@ def _diffusers_zero_reference(x, emb, weight, bias):
 def test_ada_layer_norm_zero_loads_diffusers_state_dict():
     dim, cond = 16, 12
     state = {"linear.weight": 0.1 * torch.randn(6 * dim, cond), "linear.bias": 0.1 * torch.randn(6 * dim)}
-    module = cudnorm.AdaLayerNormZero(dim, cond)
+    module = cudnorm.AdaLayerNormZero(dim, cond_dim=cond)
     assert set(module.state_dict()) == set(state)
     module.load_state_dict(state)
     x, emb = torch.randn(3, 4, dim), torch.randn(3, cond)
     expected = _diffusers_zero_reference(x, emb, state["linear.weight"], state["linear.bias"])
     for got, want in zip(module(x, emb), expected):
         torch.testing.assert_close(got, want)
-    clone = cudnorm.AdaLayerNormZero(dim, cond)
+    clone = cudnorm.AdaLayerNormZero(dim, cond_dim=cond)
     clone.load_state_dict(module.state_dict())
     torch.testing.assert_close(clone(x, emb)[0], module(x, emb)[0])
 
@@ -337,7 +337,7 @@ def test_ada_layer_norm_zero_loads_diffusers_state_dict():
 @pytest.mark.parametrize("affine", [False, True])
 def test_ada_layer_norm_continuous_scale_shift_order_and_state_dict(affine):
     dim, cond = 16, 10
-    module = cudnorm.AdaLayerNormContinuous(dim, cond, elementwise_affine=affine)
+    module = cudnorm.AdaLayerNormContinuous(dim, cond_dim=cond, elementwise_affine=affine)
     keys = {"linear.weight", "linear.bias"} | ({"norm.weight", "norm.bias"} if affine else set())
     assert set(module.state_dict()) == keys
     state = {k: 0.2 * torch.randn(v.shape) for k, v in module.state_dict().items()}
@@ -371,7 +371,7 @@ def test_opcheck_cpu(training):
 
 
 def _compiled_matches_eager(device):
-    module = cudnorm.AdaLayerNormZero(64, 32).to(device)
+    module = cudnorm.AdaLayerNormZero(64, cond_dim=32).to(device)
     torch.nn.init.normal_(module.linear.weight, std=0.1)
     x, emb = torch.randn(2, 8, 64, device=device, requires_grad=True), torch.randn(2, 32, device=device)
     fn = lambda x, emb: module(x, emb)[0].square().sum()  # noqa: E731

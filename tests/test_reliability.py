@@ -108,3 +108,13 @@ def test_cache_clear_that_cannot_remove_fails_loudly(store_dir, monkeypatch, cap
     assert cli.main(["cache", "clear"]) == 1
     err = capsys.readouterr().err
     assert "could not remove 1 of 1" in err and "read-only" in err
+
+
+@pytest.mark.parametrize("build", [lambda: cudnorm.AdaLayerNormZero(64, 1000),  # diffusers: num_embeddings
+                                   lambda: cudnorm.AdaLayerNormContinuous(64, 32, False, 1e-6),  # diffusers' order
+                                   lambda: cudnorm.AdaLayerNorm(64, 10)])
+def test_ada_modules_refuse_positional_options(build):
+    """diffusers' classes of these names order their arguments differently: a positional
+    call must fail instead of building another module."""
+    with pytest.raises(TypeError, match="positional"):
+        build()
