@@ -9,6 +9,7 @@ from ._plan_store import clear_plan_store, install_default_store, plan_store_inf
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .modules import AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, LayerNorm, RMSNorm
+from .patching import PatchReport, patch
 from .rms_norm import rms_norm
 from .warmup import record_specs, warmup
 
@@ -21,6 +22,7 @@ __all__ = [
     "AdaLayerNormContinuous",
     "AdaLayerNormZero",
     "LayerNorm",
+    "PatchReport",
     "RMSNorm",
     "__version__",
     "ada_layer_norm",
@@ -29,6 +31,7 @@ __all__ = [
     "clear_plan_store",
     "info",
     "layer_norm",
+    "patch",
     "plan_store_info",
     "record_specs",
     "rms_norm",
