@@ -31,7 +31,7 @@ def _require(module: str):
 
 
 EXPECTED = ["00_quickstart", "10_layer_norm_and_rms_norm", "20_adaptive_layer_norm", "30_dit_training",
-            "40_graph_cache_warmup", "50_performance"]
+            "40_graph_cache_warmup", "50_performance", "60_patching_a_model"]
 
 
 def test_the_tutorial_series_is_complete():

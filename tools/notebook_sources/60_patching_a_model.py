@@ -1,0 +1,97 @@
+# %% [markdown]
+# # 60 · Patching a transformers model
+#
+# `cudnorm.patch(model)` swaps, in place, the norms of a PyTorch or transformers model for
+# cudnorm's modules: `torch.nn.LayerNorm`, `torch.nn.RMSNorm` and transformers' Llama-family
+# RMSNorms (Llama, Mistral, Mixtral, Qwen2/3, Phi-3). The new modules hold the **same
+# `Parameter` objects**, so state_dict keys, tied weights, optimizer state and
+# `save_pretrained` / `from_pretrained` are untouched. It returns a report of what it swapped
+# and what it left, with the reason.
+#
+# **The math** of Llama's RMSNorm, per row $x \in \mathbb{R}^N$, in fp32 and then cast back
+# to the input's dtype before the weight:
+#
+# $$y = w \cdot \mathrm{cast}\Big(\frac{x}{\sqrt{\tfrac{1}{N}\sum_i x_i^2+\epsilon}}\Big)$$
+#
+# cudnorm computes the same in one kernel and rounds once, so outputs agree to one rounding
+# step of the activation dtype (exactly, in fp32 on the CPU).
+
+# %%
+import tempfile
+
+import torch
+import transformers
+
+import cudnorm
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+print(device, dtype, "transformers", transformers.__version__)
+
+# %% [markdown]
+# ## A small Llama from a config
+#
+# Random weights, with norm weights away from 1 so that the norms matter.
+
+# %%
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+ids = torch.randint(0, 256, (2, 64), device=device)
+with torch.no_grad():
+    before = model(ids).logits
+
+# %% [markdown]
+# ## Patch
+
+# %%
+keys = list(model.state_dict())
+report = cudnorm.patch(model)
+print(report)
+print(model.model.layers[0].input_layernorm)
+assert list(model.state_dict()) == keys  # checkpoints load as before
+
+# %% [markdown]
+# ## Check against the unpatched model
+#
+# Tolerance: in fp32 (CPU) the patched model computes exactly what the original does; in bf16
+# (GPU) each norm may round once differently (cudnorm rounds the product $w \cdot \hat x$ once,
+# Llama rounds $\hat x$ and then the product), and the difference travels through two layers:
+# a few bf16 steps on logits of size ~1.
+
+# %%
+with torch.no_grad():
+    after = model(ids).logits
+print("max |logits difference|:", (after.float() - before.float()).abs().max().item())
+tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+torch.testing.assert_close(after.float(), before.float(), atol=tolerance, rtol=tolerance)
+
+# %% [markdown]
+# ## Save and load
+#
+# The saved checkpoint is a plain Llama checkpoint: the unpatched class loads it.
+
+# %%
+with tempfile.TemporaryDirectory() as folder:
+    model.save_pretrained(folder)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device)
+for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    assert torch.equal(a, b), name
+print("round trip through save_pretrained / from_pretrained: equal")
+
+# %% [markdown]
+# ## What is left, and why
+#
+# Gemma's RMSNorm scales by $(1 + w)$; cudnorm has no weight offset yet, so `patch` leaves
+# it and says so.
+
+# %%
+gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=16))
+print(cudnorm.patch(gemma))
