@@ -14,7 +14,9 @@ Rules for ``CUDNORM_POLICY=auto`` (the default), for a call whose weights (scale
 have the input's dtype; where PyTorch's ops serve, the public functions call them directly,
 with no cudnorm op or autograd node in between:
 
-1. tensors not on a CUDA device (CPU, meta): PyTorch's ops (there is no cuDNN path);
+1. tensors not on a CUDA device (CPU, meta) and tensor subclasses such as ``DTensor``:
+   PyTorch's ops (there is no cuDNN path; PyTorch's ops carry the subclass's rules, such as
+   DTensor's sharding propagation, which cudnorm's ops do not have);
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements: PyTorch's ops;
 4. otherwise cuDNN.
@@ -44,9 +46,15 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether PyTorch's own op should serve this call (rules in the module docstring).
     ``params``: the call's weight-like tensors (``None`` for absent ones). Runs on every
     call: attribute reads and one comparison."""
-    if _settings.current.policy != "auto":
-        return False
+    if _settings.current.policy != "auto" or not isinstance(input, torch.Tensor):
+        return False  # a non-tensor: cudnorm's own path raises the argument error
     for p in params:
         if p is not None and p.dtype is not input.dtype:
             return False
-    return not input.is_cuda or torch.compiler.is_compiling() or input.numel() < CUDNN_MIN_ELEMENTS
+    return prefers_torch(type(input) is torch.Tensor and input.is_cuda, input.numel())
+
+
+def prefers_torch(plain_cuda: bool, numel: int) -> bool:
+    """Rules 1-3 of the module docstring for a call whose weights have the input's dtype:
+    ``plain_cuda``, the input is a plain CUDA tensor; ``numel``, its element count."""
+    return not plain_cuda or torch.compiler.is_compiling() or numel < CUDNN_MIN_ELEMENTS

@@ -3,8 +3,6 @@
 and keep cudnorm's argument errors, and that ``CUDNORM_POLICY=cudnn`` restores cudnorm's own
 path. CPU tests run everywhere; the ``gpu`` ones check the size and compile rules on CUDA."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,26 +21,20 @@ def auto(cudnorm_env):
     cudnorm_env("CUDNORM_POLICY", "auto")
 
 
-def _cuda_like(numel, dtype=BF16):
-    """What torch_serves reads of a CUDA tensor, without one."""
-    return SimpleNamespace(is_cuda=True, dtype=dtype, numel=lambda: numel)
-
-
 def test_rules(auto, monkeypatch):
     big, small = _policy.CUDNN_MIN_ELEMENTS, _policy.CUDNN_MIN_ELEMENTS - 1
+    assert _policy.prefers_torch(True, small) and not _policy.prefers_torch(True, big)
+    assert _policy.prefers_torch(False, big)  # CPU, meta, tensor subclasses
     w16, w32 = torch.empty(1, dtype=BF16), torch.empty(1)
-    assert _policy.torch_serves(_cuda_like(small), w16, None)
-    assert not _policy.torch_serves(_cuda_like(big), w16, None)
-    assert not _policy.torch_serves(_cuda_like(small), w32)  # fp32 weights: cudnorm's rounding path
-    assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w16)  # CPU
-    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32)
+    assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w16, None)  # CPU
+    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32)  # fp32 weights: cudnorm's rounding path
+    assert not _policy.torch_serves([1.0], w16)  # not a tensor: cudnorm's path raises the argument error
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _policy.torch_serves(_cuda_like(big), w16)  # traced: Inductor fuses PyTorch's ops
+    assert _policy.prefers_torch(True, big)  # traced: Inductor fuses PyTorch's ops
 
 
 def test_cudnn_policy_serves_nothing_to_torch(cudnorm_env):
     cudnorm_env("CUDNORM_POLICY", "cudnn")
-    assert not _policy.torch_serves(_cuda_like(1))
     assert not _policy.torch_serves(torch.empty(2, 4))
 
 
@@ -182,3 +174,26 @@ def test_modules_follow_the_policy(cudnorm_env):
         cudnorm_env("CUDNORM_POLICY", "cudnn")
         node = mine(x).grad_fn.next_functions[0][0]  # under the view back to [2, 5, 64]
         assert "Function" in type(node).__name__  # cudnorm's own autograd node
+
+
+def test_dtensor_inputs_run_pytorchs_ops_and_stay_sharded(auto, tmp_path):
+    """A tensor subclass takes PyTorch's ops, which carry DTensor's sharding rules (cudnorm's
+    own ops have none). One process, gloo."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.tensor import DeviceMesh, Partial, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        x = distribute_tensor(torch.randn(4, 6, 64), mesh, [Shard(1)]).requires_grad_()
+        w = distribute_tensor(torch.randn(64), mesh, [Replicate()]).requires_grad_()
+        for op in (lambda: cudnorm.layer_norm(x, (64,), w, w), lambda: cudnorm.rms_norm(x, (64,), w, 1e-6)):
+            w.grad = None
+            y = op()
+            assert y.placements == (Shard(1),)
+            y.sum().backward()
+            assert w.grad.placements == (Partial(),)  # PyTorch reduces it
+        scale = distribute_tensor(torch.randn(4, 64), mesh, [Replicate()])
+        assert cudnorm.ada_layer_norm(x, scale, scale).placements == (Shard(1),)
+    finally:
+        dist.destroy_process_group()
