@@ -1,15 +1,18 @@
 """Wrong arguments get a TypeError/ValueError naming the function and the argument; the plan
 store and ``cudnorm cache`` report malformed entries, special files and bad settings in a
-line instead of a traceback. Each case here failed (wrong exception type, a traceback, a
-hang) before its fix."""
+line instead of a traceback (each of these cases failed before its fix: a wrong exception
+type, a traceback, a hang); extreme values give PyTorch's result or better; results repeat
+bit for bit."""
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cudnorm
 from cudnorm import _plan_store, cli
+from cudnorm import reference as ref
 from cudnorm._plan_store import PlanStore, encode_entry
 
 from test_plan_store import fake_fingerprint, plan_, spec_  # noqa: F401 - the store test helpers
@@ -118,3 +121,51 @@ def test_ada_modules_refuse_positional_options(build):
     call must fail instead of building another module."""
     with pytest.raises(TypeError, match="positional"):
         build()
+
+
+def _extreme_rows(dtype, device, big):
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    x[0] *= big  # sums of squares overflow the dtype
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    return x  # row 3 stays ordinary
+
+
+def check_extreme_values(device):
+    """PyTorch's result or better, row by row: where PyTorch's row is finite, cudnorm's is
+    finite and meets the error rule against fp64; a NaN input row stays NaN."""
+    for dtype, big in ((torch.float32, 1e19), (torch.float16, 3e3), (torch.bfloat16, 1e19)):
+        x = _extreme_rows(dtype, device, big)
+        for mine, theirs, exact in (
+                (lambda x: cudnorm.layer_norm(x, (256,)), lambda x: F.layer_norm(x, (256,)),
+                 lambda x: ref.layer_norm(x)),
+                (lambda x: cudnorm.rms_norm(x, (256,), None, 1e-6), lambda x: F.rms_norm(x, (256,), None, 1e-6),
+                 lambda x: ref.rms_norm(x, None, 1e-6))):
+            got, want, true = mine(x), theirs(x), exact(x)
+            assert torch.isnan(got[1]).any(), dtype  # NaN in, NaN out
+            for row in (0, 2, 3):
+                if torch.isfinite(want[row]).all():
+                    assert torch.isfinite(got[row]).all(), (dtype, row)
+                    bound = ref.error_bound(ref.rel_error(want[row], true[row]), dtype)
+                    assert ref.rel_error(got[row], true[row]) <= bound, (dtype, row)
+
+
+def test_extreme_values_cpu():
+    check_extreme_values("cpu")
+
+
+@pytest.mark.gpu
+def test_extreme_values_gpu():
+    check_extreme_values("cuda")
+
+
+def test_run_to_run_bitwise_determinism():
+    x = torch.randn(64, 512, requires_grad=True)
+    w = torch.randn(512, requires_grad=True)
+    results = []
+    for _ in range(2):
+        x.grad = w.grad = None
+        y = cudnorm.layer_norm(x, (512,), w, w) + cudnorm.rms_norm(x, (512,), w, 1e-6)
+        y.square().sum().backward()
+        results.append((y.detach().clone(), x.grad.clone(), w.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
