@@ -465,9 +465,11 @@ _AdaLayerNormFunction = _dispatch.eager_autograd("_AdaLayerNormFunction", _forwa
 # ---------------------------------------------------------------- functional
 
 def _check_modulation(arg: str, value, input: torch.Tensor) -> None:
-    """scale/shift: ``[B, D]`` or ``[B, 1, ..., 1, D]``, fp32 or the input's dtype."""
+    """scale/shift: ``[B, D]`` or ``[B, 1, ..., 1, D]``, fp32 or the input's dtype (any
+    supported dtype with an fp32 input: promoted, as PyTorch's formula does)."""
     b, d = input.shape[0], input.shape[-1]
-    _checks.check_tensor(_OP, arg, value, dtypes=tuple(dict.fromkeys((input.dtype, _F32))))
+    dtypes = _runtime.SUPPORTED_DTYPES if input.dtype is _F32 else tuple(dict.fromkeys((input.dtype, _F32)))
+    _checks.check_tensor(_OP, arg, value, dtypes=dtypes)
     shape = tuple(value.shape)
     if len(shape) < 2 or shape[0] != b or shape[-1] != d or any(n != 1 for n in shape[1:-1]):
         raise ValueError(f"cudnorm.{_OP}: argument '{arg}' has shape {shape}; expected [B, D] or [B, 1, D] "
@@ -509,8 +511,9 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 
     Args:
         input: ``[B, *, D]`` (e.g. ``[B, S, D]`` tokens), float16/bfloat16/float32.
-        scale: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype``; broadcast over the
-            tokens of each sample.
+        scale: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype`` (bf16/fp16 with a
+            float32 input are promoted to float32, as PyTorch's formula does); broadcast over
+            the tokens of each sample.
         shift: like ``scale``.
         eps: added to the variance (DiT/PixArt/SD3/Flux use 1e-6).
         one_plus_scale: ``True`` computes DiT's ``modulate``: ``norm(x) * (1 + scale) + shift``;
@@ -525,6 +528,8 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         (:mod:`cudnorm._policy`).
     """
     eps = _check_call(input, scale, shift, eps, one_plus_scale)
+    if input.dtype is _F32 and (scale.dtype is not _F32 or shift.dtype is not _F32):
+        scale, shift = scale.float(), shift.float()  # half-precision modulation of fp32 x: promoted
     if _policy.torch_serves(input, scale, shift):  # small or compiled calls: PyTorch's own ops
         return _torch_ops(input, scale, shift, eps, one_plus_scale)
     b, d = input.shape[0], input.shape[-1]

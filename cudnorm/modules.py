@@ -94,6 +94,7 @@ class AdaLayerNormZero(torch.nn.Module):
     def forward(self, x: torch.Tensor, emb: torch.Tensor):
         """``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``
         from ``x [B, *, D]`` and ``emb [B, cond_dim]``."""
+        emb = emb.to(self.linear.weight.dtype)  # fp32 conditioning into a bf16 module, as diffusers casts it
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
         return self.norm(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
@@ -116,6 +117,7 @@ class AdaLayerNormContinuous(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``norm(x) * (1 + scale) + shift`` with ``(scale, shift)`` projected from ``emb [B, cond_dim]``."""
+        emb = emb.to(self.linear.weight.dtype)  # as in AdaLayerNormZero.forward
         scale, shift = self.linear(self.silu(emb)).chunk(2, dim=1)
         weight, bias = self.norm.weight, self.norm.bias
         if weight is None:

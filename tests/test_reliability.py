@@ -169,3 +169,21 @@ def test_run_to_run_bitwise_determinism():
         y.square().sum().backward()
         results.append((y.detach().clone(), x.grad.clone(), w.grad.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_ada_promotes_half_modulation_of_fp32_input_and_casts_conditioning():
+    """As diffusers does: an fp32 input with bf16 scale/shift computes in fp32 (gradients in
+    the parameters' dtype); a bf16 module takes fp32 conditioning."""
+    x = torch.randn(2, 5, 16)
+    scale = torch.randn(2, 16, dtype=torch.bfloat16, requires_grad=True)
+    shift = torch.randn(2, 16, dtype=torch.bfloat16)
+    y = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
+    want = F.layer_norm(x, (16,), eps=1e-6) * (1 + scale.float()[:, None]) + shift.float()[:, None]
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, want)
+    y.sum().backward()
+    assert scale.grad.dtype == torch.bfloat16
+    module = cudnorm.AdaLayerNormZero(16, cond_dim=8).to(torch.bfloat16)
+    assert module(x.to(torch.bfloat16), torch.randn(2, 8))[0].dtype == torch.bfloat16
+    continuous = cudnorm.AdaLayerNormContinuous(16, cond_dim=8).to(torch.bfloat16)
+    assert continuous(x.to(torch.bfloat16), torch.randn(2, 8)).dtype == torch.bfloat16
