@@ -95,8 +95,8 @@ def record_specs(path: str | os.PathLike | None = None):
     recording.specs = _sorted(seen)
     if not recording.specs:
         warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
-                      f"unavailable: {_runtime.cudnn_status().reason}, or no cudnorm op ran)", RuntimeWarning,
-                      stacklevel=3)
+                      f"unavailable: {_runtime.cudnn_status().reason}, only calls the default policy hands to "
+                      "PyTorch's ops, or no cudnorm op ran)", RuntimeWarning, stacklevel=3)
     if path is not None:
         write_spec_file(path, recording.specs)
 
