@@ -259,12 +259,12 @@ def differentiable_grads(forward, inputs: tuple, dy: torch.Tensor) -> list[torch
     backward of an op when autograd runs it with ``create_graph=True`` (gradient penalties,
     Hessian-vector products). cuDNN's backward graphs compute numbers, not a graph, so the
     ops recompute their forward in PyTorch's fp32 ops here and differentiate that; the
-    result is connected to ``inputs`` and ``dy``. ``None`` for inputs that are ``None`` or do
-    not require grad."""
+    result is connected to ``inputs`` and ``dy``, each gradient in its input's dtype. ``None``
+    for inputs that are ``None`` or do not require grad."""
     wanted = [t for t in inputs if t is not None and t.requires_grad]
     with torch.enable_grad():
         grads = iter(torch.autograd.grad(forward(*inputs), wanted, dy, create_graph=True)) if wanted else iter(())
-    return [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+    return [next(grads).to(t.dtype) if t is not None and t.requires_grad else None for t in inputs]
 
 
 def stats_buffer(rows: int, count: int, device: torch.device) -> torch.Tensor:

@@ -453,8 +453,7 @@ def _differentiable_backward(dy, x, scale, eps, one_plus_scale, shift_dtype):
         return F.layer_norm(x.float(), (x.shape[-1],), eps=eps) * gain.unsqueeze(1)
 
     dx, dscale = _dispatch.differentiable_grads(forward, (x, scale), dy.float())
-    dshift = dy.float().sum(1).to(shift_dtype)
-    return (None if dx is None else dx.to(x.dtype), None if dscale is None else dscale.to(scale.dtype), dshift)
+    return dx, dscale, dy.float().sum(1).to(shift_dtype)
 
 
 _dispatch.register_autograd("ada_layer_norm_fwd", _setup_context, _make_backward(ada_layer_norm_bwd))

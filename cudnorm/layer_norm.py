@@ -201,9 +201,7 @@ def _differentiable_backward(dy, x, weight, eps):
         return F.layer_norm(x.float(), (n,), None if weight is None else weight.float(), None, eps)
 
     dx, dw = _dispatch.differentiable_grads(forward, (x, weight), dy.float())
-    db = dy.float().sum(0).to(_dispatch.backward_scale_dtype(weight))
-    dw = None if dw is None else dw.to(weight.dtype)
-    return None if dx is None else dx.to(x.dtype), dw, db
+    return dx, dw, dy.float().sum(0).to(_dispatch.backward_scale_dtype(weight))
 
 
 _dispatch.register_autograd("layer_norm_fwd", _setup_context, _make_backward(layer_norm_bwd))

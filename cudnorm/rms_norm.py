@@ -174,8 +174,7 @@ def _differentiable_backward(dy, x, weight, eps):
     def forward(x, weight):
         return F.rms_norm(x.float(), (n,), None if weight is None else weight.float(), eps)
 
-    dx, dw = _dispatch.differentiable_grads(forward, (x, weight), dy.float())
-    return None if dx is None else dx.to(x.dtype), None if dw is None else dw.to(weight.dtype)
+    return tuple(_dispatch.differentiable_grads(forward, (x, weight), dy.float()))
 
 
 _dispatch.register_autograd("rms_norm_fwd", _setup_context, _make_backward(rms_norm_bwd))
