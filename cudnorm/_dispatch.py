@@ -287,6 +287,9 @@ def packed(t: torch.Tensor) -> torch.Tensor:
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd.Function's C++ apply
 _functorch_active = torch._C._are_functorch_transforms_active
+# Up to torch 2.13 ``Function.apply`` is a Python classmethod (pytree walk, functorch check)
+# around the C++ apply; from 2.14 it is the C++ apply itself, which handles functorch.
+_PYTHON_APPLY = getattr(torch.autograd.Function.apply, "__func__", None)
 
 
 def eager_autograd(name: str, forward, setup_context, backward) -> type:
@@ -298,9 +301,10 @@ def eager_autograd(name: str, forward, setup_context, backward) -> type:
     Function's outputs (saved in ``ctx`` instead): one differentiable output is the cheapest
     node autograd has (10 us less forward and 20 us less backward host time than three).
     ``apply`` goes straight to the C++ apply unless a functorch transform is active: the
-    Python ``Function.apply`` wrapper walks the arguments with pytree first (4 us of a 12 us
-    apply on a CPU host, more on the lent GPU hosts). Traced calls (``torch.compile``) use
-    the registered op, so both paths run the same implementation.
+    Python ``Function.apply`` wrapper of torch <= 2.13 walks the arguments with pytree first
+    (4 us of a 12 us apply on a CPU host, more on the lent GPU hosts); torch 2.14 made
+    ``Function.apply`` the C++ one, and the class keeps it. Traced calls (``torch.compile``)
+    use the registered op, so both paths run the same implementation.
     """
 
     def fwd(ctx, *inputs):
@@ -309,8 +313,10 @@ def eager_autograd(name: str, forward, setup_context, backward) -> type:
         return output[0]
 
     cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward)})
+    if _PYTHON_APPLY is None:
+        return cls
     c_apply = _C_APPLY.__get__(None, cls)
-    python_apply = torch.autograd.Function.apply.__func__
+    python_apply = _PYTHON_APPLY
 
     def apply(*args):
         return python_apply(cls, *args) if _functorch_active() else c_apply(*args)

@@ -14,16 +14,19 @@ hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_N = {"layer_norm": 3, "rms_norm": 2}  # rows_case says why
 SETTINGS = hypothesis.settings(max_examples=100, deadline=None, derandomize=True, database=None)
 
 
 @st.composite
-def rows_case(draw, device):
-    """``(x, weight, bias, eps, dy)``: ``x [rows, n]`` in a drawn layout. ``n >= 2``: over one
-    element LayerNorm's output and gradients are exactly zero (a relative error then compares
-    rounding noise with zero) and RMSNorm's dx is pure cancellation (``1 - x_hat^2`` with
-    ``x_hat^2 ~ 1``): the first draws found both, with no bearing on real widths."""
-    rows, n = draw(st.integers(1, 48)), draw(st.integers(2, 320))
+def rows_case(draw, device, min_n):
+    """``(x, weight, bias, eps, dy)``: ``x [rows, n]`` in a drawn layout, ``n >= min_n``.
+    Degenerate widths are left out, with no bearing on real models: over one element
+    LayerNorm's output and gradients are exactly zero (a relative error then compares rounding
+    noise with zero) and RMSNorm's dx is pure cancellation (``1 - x_hat^2`` with
+    ``x_hat^2 ~ 1``); over two, LayerNorm's output is ``+-1`` up to eps and its dx is of order
+    ``eps / var`` times dy, again pure cancellation (an fp32 draw on an H100 found it)."""
+    rows, n = draw(st.integers(1, 48)), draw(st.integers(min_n, 320))
     dtype = draw(st.sampled_from(DTYPES))
     layout = draw(st.sampled_from(("contiguous", "row slice", "transposed")))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -61,10 +64,10 @@ def _check(case, op):
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_random_calls_meet_the_error_rule_cpu(op):
-    hypothesis.given(case=rows_case("cpu"))(SETTINGS(lambda case: _check(case, op)))()
+    hypothesis.given(case=rows_case("cpu", MIN_N[op]))(SETTINGS(lambda case: _check(case, op)))()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_random_calls_meet_the_error_rule_gpu(op):
-    hypothesis.given(case=rows_case("cuda"))(SETTINGS(lambda case: _check(case, op)))()
+    hypothesis.given(case=rows_case("cuda", MIN_N[op]))(SETTINGS(lambda case: _check(case, op)))()
