@@ -3,10 +3,10 @@
 For the issue's DiT shapes (B, S, D), bf16 x and bf16 scale/shift [B, D], DiT convention
 ``layer_norm(x, eps=1e-6) * (1 + scale) + shift``, all through the public API:
   * forward, inference (no grad) and training (writes mean/rstd): cudnorm with each
-    CUDNORM_ADA_FWD strategy, eager, compile
-  * backward (autograd.grad of x, scale, shift): cudnorm with each CUDNORM_ADA_BWD strategy,
+    ``ada_forward`` strategy, eager, compile
+  * backward (autograd.grad of x, scale, shift): cudnorm with each ``ada_backward`` strategy,
     eager, compile
-Strategies are forced through cudnorm's settings (environment + ``_settings.reload()``).
+Strategies are forced through ``cudnorm.config(ada_forward=..., ada_backward=...)``.
 GB/s counts each input read once and each output written once; the device-to-device copy
 bandwidth (1 GiB buffer, read + write) is measured first as the ceiling. Each result is
 checked against the fp32 formula, so a broken strategy shows up as a large error.
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _settings
 
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
 
@@ -72,12 +71,6 @@ def copy_gbps() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * (1 << 30) / ms * 1e-6
-
-
-def force(name: str, strategy: str) -> None:
-    """Force an AdaLN strategy (``CUDNORM_ADA_FWD``/``CUDNORM_ADA_BWD``); ``auto`` restores the rules."""
-    os.environ[name] = strategy
-    _settings.reload()
 
 
 def eager_formula(x, scale, shift):
@@ -122,21 +115,21 @@ def run_shape(shape, copy, rows):
 
     providers = [(f"cudnorm:{name}", fused, name) for name in FWD_STRATEGIES]
     for provider, fn, strategy in providers + [("eager", eager_formula, "auto"), ("compile", compiled, "auto")]:
-        force("CUDNORM_ADA_FWD", strategy)
+        cudnorm.config(ada_forward=strategy)  # "auto": the rules
         with torch.no_grad():
             infer = functools.partial(fn, x, scale, shift)
             add("fwd", "infer", provider, bench_ms(infer), rel_error(infer(), ref_y))
         train = functools.partial(fn, *leaves)
         add("fwd", "train", provider, bench_ms(train), rel_error(train(), ref_y))
-    force("CUDNORM_ADA_FWD", "auto")
+    cudnorm.config(ada_forward="auto")
 
     providers = [(f"cudnorm:{name}", fused, name) for name in BWD_STRATEGIES]
     for provider, fn, strategy in providers + [("eager", eager_formula, "auto"), ("compile", compiled, "auto")]:
-        force("CUDNORM_ADA_BWD", strategy)
+        cudnorm.config(ada_backward=strategy)
         grad = functools.partial(torch.autograd.grad, fn(*leaves), leaves, dy, retain_graph=True)
         add("bwd", "train", provider, bench_ms(grad), rel_error(grad()[0], ref_dx))
         del grad
-    force("CUDNORM_ADA_BWD", "auto")
+    cudnorm.config(ada_backward="auto")
 
 
 def print_table(rows, copy):

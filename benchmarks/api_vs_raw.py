@@ -5,7 +5,7 @@ For LN/RMS forward (training) and backward at M=32768, N in {1024, 4096, 16384},
     benchmark; backward through autograd.grad of one call, and per layer of an 8-layer chain)
   * GB/s of the raw ordered execute of the very plan the API uses (buffers preallocated),
     and of cudnorm's raw-pointer launch of it (``cudnorm._graphs.RawExecute``)
-  * the fp32-weight forward through the API (each CUDNORM_FP32_WEIGHT_FWD mode) vs the naive
+  * the fp32-weight forward through the API (each ``fp32_weight_fwd`` mode) vs the naive
     graph that reads an fp32 scale ("native")
 Then autotune gain/cost and host microseconds per call at (64, 4096).
 
@@ -179,24 +179,18 @@ def run_torch_ceiling(rows, copy):
 
 
 def run_fp32_weight_modes(rows):
-    """The fp32-weight forward through the API in each ``CUDNORM_FP32_WEIGHT_FWD`` mode. Settings
-    are read at import, so each mode reloads them (without the reload every mode ran ``round``)."""
-    from cudnorm import _settings
-
+    """The fp32-weight forward through the API in each ``fp32_weight_fwd`` mode."""
     for op in ("layer_norm", "rms_norm"):
         for n in SIZES:
             times = {}
             for mode in ("round", "native"):
-                os.environ["CUDNORM_FP32_WEIGHT_FWD"] = mode
-                _settings.reload()
-                try:
-                    fwd, _ = api_case(op, n, torch.float32)
-                    times[mode] = bench_ms(fwd)
-                except Exception as exc:  # a mode cuDNN refuses is reported, not hidden
-                    times[mode] = float("nan")
-                    print(f"fp32 weights {op} N={n} mode={mode}: {type(exc).__name__}: {exc}")
-            os.environ.pop("CUDNORM_FP32_WEIGHT_FWD")
-            _settings.reload()
+                with cudnorm.config(fp32_weight_fwd=mode):
+                    try:
+                        fwd, _ = api_case(op, n, torch.float32)
+                        times[mode] = bench_ms(fwd)
+                    except Exception as exc:  # a mode cuDNN refuses is reported, not hidden
+                        times[mode] = float("nan")
+                        print(f"fp32 weights {op} N={n} mode={mode}: {type(exc).__name__}: {exc}")
             nb = nbytes(op, "fwd", n)
             plans = [s for s in _cache.plans.specs() if s.op == op and s.phase == "train" and s.cols == n]
             rows.append(dict(test="fp32_weight_fwd", op=op, direction="fwd", N=n,
@@ -258,7 +252,6 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--parts", default="api,fp32,autotune,host")
     args = parser.parse_args()
-    os.environ.setdefault("CUDNORM_AUTOTUNE", "auto")
     copy = copy_gbps()
     print(f"device {torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  cudnn {cudnorm.info()['cudnn_backend']}")
     rows: list[dict] = []

@@ -350,9 +350,7 @@ def probe_dyn() -> None:
             ms = _time(lambda: plan.run(*bufs))
             print(f"dyn {phase} rows=33000 dynamic={dynamic}: {ms * 1e3:.1f} us GPU")
     import cudnorm
-    from cudnorm import _settings
-    os.environ["CUDNORM_EXACT_ROWS"] = "100000"
-    _settings.reload()
+    cudnorm.config(exact_rows=100000)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x_all = torch.randn(65536, N, device="cuda", generator=gen).to(torch.bfloat16)
     dy_all = torch.randn(65536, N, device="cuda", generator=gen).to(torch.bfloat16)

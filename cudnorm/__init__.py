@@ -4,8 +4,11 @@ On a CUDA tensor the ops run cached cuDNN-frontend graphs; elsewhere (CPU tensor
 a configuration cuDNN declines) the same calls run PyTorch's kernels.
 """
 
+from . import diffusers  # cudnorm.diffusers: diffusers-compatible AdaLN classes (not in __all__: a star
+#                         import must not shadow the diffusers package)
 from ._info import cache_info, clear_cache, info, serving_path
 from ._plan_store import clear_plan_store, install_default_store, plan_store_info
+from ._settings import Config, config, get_config
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .modules import AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, LayerNorm, RMSNorm
@@ -21,6 +24,7 @@ __all__ = [
     "AdaLayerNorm",
     "AdaLayerNormContinuous",
     "AdaLayerNormZero",
+    "Config",
     "LayerNorm",
     "PatchReport",
     "RMSNorm",
@@ -29,6 +33,8 @@ __all__ = [
     "cache_info",
     "clear_cache",
     "clear_plan_store",
+    "config",
+    "get_config",
     "info",
     "layer_norm",
     "patch",

@@ -5,7 +5,7 @@ and, when the on-disk plan store is enabled, looked up there before building and
 after. A spec cuDNN declines is remembered too (as ``DECLINED``), so the PyTorch fallback is
 taken at once on later calls instead of re-asking cuDNN.
 
-Size: ``CUDNORM_CACHE_SIZE`` entries (default 512, see ``cudnorm._settings``).
+Size: ``cudnorm.config(cache_size=...)`` entries (default 512); a change resizes it.
 """
 
 from __future__ import annotations
@@ -138,3 +138,4 @@ class PlanCache:
 
 
 plans = PlanCache(_settings.current.cache_size)
+_settings.on_change(lambda old, new: plans.resize(new.cache_size))

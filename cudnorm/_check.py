@@ -61,7 +61,7 @@ def check(device: str | None = None) -> list[dict]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cases = list(_cases(device))
     rows = []
-    with _settings.replaced(policy="cudnn"):
+    with _settings.config(policy="cudnn"):
         for label, dtype, candidate, baseline, reference, inputs, names in progress(cases, len(cases), "checking"):
             g = torch.Generator(device="cpu").manual_seed(1)
             dy = torch.randn(inputs[0].shape, generator=g).to(device, dtype)

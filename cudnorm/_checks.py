@@ -13,6 +13,10 @@ import torch
 
 from ._runtime import SUPPORTED_DTYPES
 
+#: Input dtypes the public ops take: cuDNN's, plus float64, which PyTorch's own ops serve
+#: (cuDNN has no double-precision normalization; cudnorm._policy, rule 0).
+INPUT_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+
 
 def _fail(exc_type, op: str, arg: str, message: str):
     raise exc_type(f"cudnorm.{op}: argument '{arg}' {message}")
@@ -28,7 +32,7 @@ def check_tensor(op: str, arg: str, value, *, dtypes=SUPPORTED_DTYPES) -> torch.
 
 
 def check_input(op: str, value) -> torch.Tensor:
-    check_tensor(op, "input", value)
+    check_tensor(op, "input", value, dtypes=INPUT_DTYPES)
     if value.numel() == 0:
         _fail(ValueError, op, "input", f"is empty (shape {tuple(value.shape)}); nothing to normalise")
     return value
@@ -52,14 +56,20 @@ def normalized_size(op: str, input: torch.Tensor, normalized_shape) -> tuple[tup
 
 
 def check_param(op: str, arg: str, value, input: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """Weight/bias: shape ``normalized_shape``, dtype float32 or the input's, same device."""
+    """Weight/bias: shape ``normalized_shape``, dtype float32 or the input's (the input's only
+    for a float64 input, as PyTorch's ops require), same device."""
     if value is None:
         return None
-    check_tensor(op, arg, value, dtypes=tuple(dict.fromkeys((input.dtype, torch.float32))))
+    check_tensor(op, arg, value, dtypes=param_dtypes(input.dtype))
     if tuple(value.shape) != shape:
         _fail(ValueError, op, arg, f"has shape {tuple(value.shape)} but normalized_shape is {shape}")
     check_same_device(op, arg, value, input)
     return value
+
+
+def param_dtypes(input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Dtypes a weight-like argument may have for an input of ``input_dtype``."""
+    return (input_dtype,) if input_dtype is torch.float64 else tuple(dict.fromkeys((input_dtype, torch.float32)))
 
 
 def check_same_device(op: str, arg: str, value: torch.Tensor, input: torch.Tensor) -> None:

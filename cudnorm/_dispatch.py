@@ -6,8 +6,8 @@
   fp32 master weights and half-precision activations it rounds them to the activation
   dtype, because cuDNN 9.19 serves an fp32 scale only on a generic engine 3-4x slower
   (see docs/concepts.md, "fp32 weights"); the backward reads the fp32 weight unchanged.
-* Policies come from :mod:`cudnorm._settings` (environment variables read at import):
-  ``CUDNORM_AUTOTUNE`` and ``CUDNORM_FP32_WEIGHT_FWD``.
+* Policies come from the configuration (:class:`cudnorm.Config`): ``autotune`` and
+  ``fp32_weight_fwd``.
 
 Everything here runs on every call: keep it to attribute reads and dictionary lookups.
 """
@@ -49,7 +49,7 @@ def set_plan_store(store) -> None:
 
 
 def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
-    """Whether a new graph for this call should be autotuned (``CUDNORM_AUTOTUNE``)."""
+    """Whether a new graph for this call should be autotuned (``Config.autotune``)."""
     mode = _settings.current.autotune
     if mode == "auto":
         # Not cuDNN's AdaLN forward graph: with every plan timed, its first plan was the fastest
@@ -79,7 +79,7 @@ def native_forward(x: torch.Tensor) -> bool:
 
 
 def fp32_weight_mode() -> str:
-    """``"round"`` or ``"native"`` (``CUDNORM_FP32_WEIGHT_FWD``)."""
+    """``"round"`` or ``"native"`` (``Config.fp32_weight_fwd``)."""
     return _settings.current.fp32_weight_fwd
 
 
@@ -131,7 +131,7 @@ def get_plan(spec: NormSpec):
 def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     """The dtype a forward uses for ``param`` (weight/bias/AdaLN scale): fp32 parameters
     of a half-precision input are rounded to the input's dtype unless
-    ``CUDNORM_FP32_WEIGHT_FWD=native``. The PyTorch fallback follows the same rule, so
+    ``Config.fp32_weight_fwd`` is ``"native"``. The PyTorch fallback follows the same rule, so
     both paths compute the same function."""
     if param.dtype is _F32 and x.dtype is not _F32 and _settings.current.fp32_weight_fwd == "round":
         return x.dtype

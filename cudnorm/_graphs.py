@@ -227,7 +227,7 @@ class RawExecute:
         if cls.enabled():
             return cls.MODE
         if not _settings.current.raw_execute:
-            return "public execute (CUDNORM_RAW_EXECUTE=0)"
+            return "public execute (raw_execute=False)"
         version = str(getattr(frontend, "__version__", "")) or "unknown"
         return f"public execute (raw-pointer launch not verified on frontend {version})"
 
@@ -397,7 +397,7 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
     return out
 
 
-#: Autotuning builds and times the heuristics' first candidates only (``CUDNORM_AUTOTUNE_CANDIDATES``,
+#: Autotuning builds and times the heuristics' first candidates only (``Config.autotune_candidates``,
 #: default 8): finalising a plan costs 0.2-4 s, and timing all 25-28 LN/RMS-forward plans took
 #: 16-39 s per graph at 32768 x 8192..32768 on the H200. The fastest plan is not always among the
 #: first 8: for the LayerNorm forward at 32768 x 8192 it was candidate 21 (4119 GB/s against
@@ -411,13 +411,13 @@ EXTRA_CANDIDATES = ("eng3_k24=2_k30=0_k33=0_k34=0_k35=1_k36=3",)
 
 def autotune_candidates(g) -> list[int]:
     """Indices of the candidate plans autotuning times: the first
-    ``CUDNORM_AUTOTUNE_CANDIDATES`` (default 8; ``all``: every one) and any later one named in
+    ``Config.autotune_candidates`` (default 8; ``"all"``: every one) and any later one named in
     :data:`EXTRA_CANDIDATES`."""
     from . import _settings  # noqa: PLC0415 - _settings is import-light; keep this module's imports minimal
 
     count = g.get_execution_plan_count()
     limit = _settings.current.autotune_candidates
-    first = count if limit == 0 else min(count, limit)
+    first = count if limit == "all" else min(count, limit)
     extra = [i for i in range(first, count) if str(g.get_plan_name_at_index(i)) in EXTRA_CANDIDATES]
     return list(range(first)) + extra
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 import torch
 
-from . import _cache, _call_plans, _graphs, _policy, _rows, _runtime
+from . import _cache, _call_plans, _graphs, _policy, _rows, _runtime, _settings
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -45,9 +46,11 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return _path(_runtime.route(torch.empty(0, dtype=torch.bfloat16, device=device)))
     reason = _runtime.route(input)
-    if reason is None and _policy.torch_serves(input):
+    if reason is None and input.dtype is torch.float64:
+        reason = "float64: cuDNN has no double-precision normalization"
+    elif reason is None and _policy.torch_serves(input):
         reason = (f"{'traced by torch.compile' if torch.compiler.is_compiling() else 'small call'}: "
-                  f"CUDNORM_POLICY=auto, {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")
+                  f"policy 'auto', {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")
     return _path(reason)
 
 
@@ -56,8 +59,8 @@ def _path(reason: str | None) -> str:
 
 
 def info() -> dict:
-    """Versions, device, cuDNN availability, how plans are launched and the serving path of
-    every op."""
+    """Versions, device, cuDNN availability, how plans are launched, the serving path of
+    every op and the configuration (:func:`cudnorm.get_config`)."""
     status = _runtime.cudnn_status()
     from . import __version__  # noqa: PLC0415 - avoid a cycle at import time
 
@@ -76,6 +79,7 @@ def info() -> dict:
     }
     out["plan_launch"] = _graphs.RawExecute.mode() if status.available else "none (cuDNN not available)"
     out["paths"] = {op: serving_path(op) for op in OPS}
+    out["config"] = dataclasses.asdict(_settings.current)
     return out
 
 

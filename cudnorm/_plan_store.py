@@ -22,16 +22,16 @@ mtime; a load touches its file) are removed until the store fits its size bound.
 that cannot be written warns once and keeps new plans in memory for the rest of the process
 (entries already there are still loaded).
 
-Environment: ``CUDNORM_PLAN_STORE_DIR`` (default ``$XDG_CACHE_HOME/cudnorm/plans`` or
-``~/.cache/cudnorm/plans``), ``CUDNORM_PLAN_STORE=0`` disables the store,
-``CUDNORM_PLAN_STORE_MAX_MB`` bounds its size (default 512).
+Configuration (:class:`cudnorm.Config`): ``plan_store_dir`` (default
+``$XDG_CACHE_HOME/cudnorm/plans`` or ``~/.cache/cudnorm/plans``), ``plan_store=False``
+disables the store, ``plan_store_max_mb`` bounds its size (default 512). Changing any of
+them installs the store they describe.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import stat
 import struct
@@ -41,7 +41,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import _dispatch, _graphs, _runtime
+from . import _dispatch, _graphs, _runtime, _settings
 from ._spec import NormSpec
 
 MAGIC = b"CUDNORMP"
@@ -349,35 +349,35 @@ def _unlink(path: Path) -> int:
 
 
 # -- configuration and the default store ----------------------------------------------------
+_OPTIONS = ("plan_store", "plan_store_dir", "plan_store_max_mb")
+
+
 def default_directory() -> Path:
-    explicit = os.environ.get("CUDNORM_PLAN_STORE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
+    configured = _settings.current.plan_store_dir
+    if configured:
+        return Path(configured).expanduser()
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache_home) / "cudnorm" / "plans"
 
 
-def enabled_from_env() -> bool:
-    return os.environ.get("CUDNORM_PLAN_STORE", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def max_bytes_from_env() -> int:
-    raw = os.environ.get("CUDNORM_PLAN_STORE_MAX_MB", "512")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be a number, got {raw!r}") from None
-    if not 0 <= value < math.inf:  # nan fails both comparisons
-        raise ValueError(f"cudnorm: CUDNORM_PLAN_STORE_MAX_MB must be a finite number >= 0, got {raw!r}")
-    return int(value * (1 << 20))
+def _max_bytes() -> int:
+    return int(_settings.current.plan_store_max_mb * (1 << 20))
 
 
 def install_default_store() -> PlanStore | None:
-    """Install the store the environment describes (or none when disabled). Touches no file:
-    the directory is created by the first save."""
-    store = PlanStore(default_directory(), max_bytes_from_env()) if enabled_from_env() else None
+    """Install the store the configuration describes (or none when disabled). Touches no
+    file: the directory is created by the first save."""
+    store = PlanStore(default_directory(), _max_bytes()) if _settings.current.plan_store else None
     _dispatch.set_plan_store(store)
     return store
+
+
+def _reinstall(old: _settings.Config, new: _settings.Config) -> None:
+    if any(getattr(old, name) != getattr(new, name) for name in _OPTIONS):
+        install_default_store()
+
+
+_settings.on_change(_reinstall)
 
 
 def _current() -> PlanStore:
@@ -385,7 +385,7 @@ def _current() -> PlanStore:
     store = _dispatch._plan_store
     if isinstance(store, PlanStore):
         return store
-    return PlanStore(default_directory(), max_bytes_from_env(), enabled=False)
+    return PlanStore(default_directory(), _max_bytes(), enabled=False)
 
 
 def plan_store_info() -> dict:

@@ -10,10 +10,13 @@ behind queued kernels and the cuDNN kernel's saving reach the step. Under ``torc
 Inductor fuses PyTorch's norm with the ops around it (the modulation, residual adds), which
 an opaque custom op prevents.
 
-Rules for ``CUDNORM_POLICY=auto`` (the default), for a call whose weights (scale/shift)
+Rules for ``cudnorm.config(policy="auto")`` (the default), for a call whose weights (scale/shift)
 have the input's dtype; where PyTorch's ops serve, the public functions call them directly,
 with no cudnorm op or autograd node in between:
 
+0. float64 input (weights must then be float64 too): PyTorch's ops at every policy, since
+   cuDNN has no double-precision normalization (float64 serves references and
+   ``gradcheck``, not speed);
 1. tensors not on a CUDA device (CPU, meta) and tensor subclasses such as ``DTensor``:
    PyTorch's ops (there is no cuDNN path; PyTorch's ops carry the subclass's rules, such as
    DTensor's sharding propagation, which cudnorm's ops do not have);
@@ -23,7 +26,7 @@ with no cudnorm op or autograd node in between:
 
 Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its
 forward rounds the weights as cuDNN reads them, and its weight gradients stay fp32; on the
-CPU, PyTorch's kernels in fp32). ``CUDNORM_POLICY=cudnn`` sends every call to cudnorm's own
+CPU, PyTorch's kernels in fp32). ``policy="cudnn"`` sends every call to cudnorm's own
 path: cuDNN wherever it can serve (benchmarks and tests of that path use it).
 """
 
@@ -46,8 +49,12 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether PyTorch's own op should serve this call (rules in the module docstring).
     ``params``: the call's weight-like tensors (``None`` for absent ones). Runs on every
     call: attribute reads and one comparison."""
-    if _settings.current.policy != "auto" or not isinstance(input, torch.Tensor):
-        return False  # a non-tensor: cudnorm's own path raises the argument error
+    if not isinstance(input, torch.Tensor):
+        return False  # cudnorm's own path raises the argument error
+    if input.dtype is torch.float64:
+        return True  # rule 0, at every policy
+    if _settings.current.policy != "auto":
+        return False
     for p in params:
         if p is not None and p.dtype is not input.dtype:
             return False

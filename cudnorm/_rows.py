@@ -6,11 +6,11 @@ an engine for a norm graph with execute-time shape overrides. A run over many di
 would spend its time building. So, per norm
 *family* (a spec without its row count):
 
-* a row count gets exact graphs once it has been asked for ``CUDNORM_EXACT_AFTER`` times
-  (default 1: at once), for at most ``CUDNORM_EXACT_ROWS`` counts per family (default 1), so
+* a row count gets exact graphs once it has been asked for ``Config.exact_after`` times
+  (default 1: at once), for at most ``Config.exact_rows`` counts per family (default 1), so
   fixed-shape training and serving run exact-shape graphs from the first call. A run over
-  many counts can set ``CUDNORM_EXACT_ROWS=0`` (chunk graphs only: fewest builds) or a larger
-  ``CUDNORM_EXACT_AFTER`` (only counts that recur get exact graphs). A count whose exact
+  many counts can set ``cudnorm.config(exact_rows=0)`` (chunk graphs only: fewest builds) or
+  a larger ``exact_after`` (only counts that recur get exact graphs). A count whose exact
   plan is in the on-disk plan store uses it at once (loading is cheap);
 * the other calls are cut into chunks of a few fixed sizes (:data:`CHUNK_ROWS`), each
   chunk one launch of a cached chunk graph on offsets into the row dimension. Rows are

@@ -7,7 +7,8 @@
   bound to torch's *current* stream, so work orders correctly with the caller's kernels
   and inside ``torch.cuda.graph`` capture (which runs on a side stream).
 
-Set ``CUDNORM_DISABLE_CUDNN=1`` to force PyTorch's kernels everywhere.
+``cudnorm.config(disable_cudnn=True)`` (or ``CUDNORM_DISABLE_CUDNN=1`` at import) forces
+PyTorch's kernels everywhere.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def _probe_status() -> CudnnStatus:
 
 
 def cudnn_status() -> CudnnStatus:
-    """Process-wide availability of cuDNN (honours ``CUDNORM_DISABLE_CUDNN``)."""
+    """Process-wide availability of cuDNN (honours ``Config.disable_cudnn``)."""
     if _settings.current.disable_cudnn:
-        return CudnnStatus(False, "disabled by CUDNORM_DISABLE_CUDNN")
+        return CudnnStatus(False, "disabled by the configuration (disable_cudnn)")
     return _probe_status()
 
 

@@ -1,137 +1,303 @@
-"""Environment settings, read once when cudnorm is imported (per-call reads would cost
-microseconds on every op). After changing ``os.environ`` in a running process, call
-:func:`reload`.
+"""The configuration: :class:`Config` (every option, its type and default, and the
+environment variable that seeds it), the process-wide current one, and :func:`config`,
+which changes it from now on or for a ``with`` block.
 
-==========================  =================================================================
-``CUDNORM_DISABLE_CUDNN``    ``1``: run PyTorch's kernels everywhere
-``CUDNORM_POLICY``           ``auto`` (default): PyTorch's own ops serve CUDA calls where they
-                             make models faster (small calls, ``torch.compile``;
-                             :mod:`cudnorm._policy`); ``cudnn``: cuDNN wherever it can serve
-``CUDNORM_AUTOTUNE``         ``auto`` (default: time candidate plans for large forwards),
-                             ``1`` (every graph), ``0`` (never: heuristics' first plan)
-``CUDNORM_AUTOTUNE_CANDIDATES``  candidate plans autotuning times, heuristics' order
-                             (default 8; ``all``: every candidate, 25-28 for LN/RMS forwards,
-                             16-39 s per graph at 32768 x 8192..32768 on an H200)
-``CUDNORM_FP32_WEIGHT_FWD``  ``round`` (default: fp32 weights of a half-precision input are
-                             rounded to its dtype for the forward), ``native`` (the forward
-                             reads fp32 weights: cuDNN 9.19's slow generic engine)
-``CUDNORM_CACHE_SIZE``       plans kept in memory (default 512)
-``CUDNORM_EXACT_ROWS``       row counts per norm family that may get their own graphs
-                             (default 1); other counts run on shared row-chunk graphs
-``CUDNORM_EXACT_AFTER``      calls at one row count before it gets its own graphs (default 1;
-                             ``cudnorm._rows``)
-``CUDNORM_ADA_FWD``          AdaLN forward strategy: ``auto`` (default: the rule table in
-                             ``cudnorm.ada_layer_norm``), ``cudnn``, ``per_sample``, ``torch``
-``CUDNORM_ADA_BWD``          AdaLN backward strategy: ``auto`` (default), ``cudnn``,
-                             ``per_sample``, ``torch``
-``CUDNORM_RAW_EXECUTE``      ``1`` (default): launch plans through the frontend's raw-pointer
-                             execute where the frontend version was verified for it
-                             (``cudnorm._graphs``); ``0``: always the public ``execute``
-==========================  =================================================================
+The environment only seeds the configuration, once, when cudnorm is imported. A malformed
+value never breaks the import: it warns once, naming the variable, the value, what it must be
+and the default used instead. After the import, :func:`config` is the only way to change an
+option (changing ``os.environ`` has no effect).
+
+Library code reads ``_settings.current.<option>`` on every call: a module attribute and a
+field, where reading the environment would cost microseconds per op. A change swaps
+``current`` in one reference assignment, then calls the functions that state sized or
+placed by the configuration registered with :func:`on_change` (the plan cache's capacity,
+the plan store). Equal configurations are one object: the memos keyed on ``current``'s
+identity (``_runtime.route``, ``_rows``, ``_call_plans``) survive a change that leaves every
+option as it was, such as a block setting what is already set (``torch.compile`` guards on
+the values of the options it reads, not on the object).
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
+import math
 import os
-from collections.abc import Iterator
+import threading
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
-_CHOICES = {"CUDNORM_AUTOTUNE": {"auto": "auto", "1": "on", "on": "on", "true": "on", "yes": "on", "always": "on",
-                                 "0": "off", "off": "off", "false": "off", "no": "off", "never": "off"},
-            "CUDNORM_FP32_WEIGHT_FWD": {"round": "round", "native": "native"},
-            "CUDNORM_POLICY": {"auto": "auto", "cudnn": "cudnn"},
-            "CUDNORM_ADA_FWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")},
-            "CUDNORM_ADA_BWD": {name: name for name in ("auto", "cudnn", "per_sample", "torch")}}
+_STRATEGIES = ("auto", "cudnn", "per_sample", "torch")
 
 
 @dataclass(frozen=True)
-class Settings:
-    disable_cudnn: bool
-    policy: str  # "auto" | "cudnn" (cudnorm._policy)
-    autotune: str  # "auto" | "on" | "off"
-    autotune_candidates: int  # 0: every candidate
-    fp32_weight_fwd: str  # "round" | "native"
-    cache_size: int
-    exact_rows: int
-    exact_after: int
-    ada_forward: str  # "auto" | an AdaLN forward strategy (cudnorm.ada_layer_norm)
-    ada_backward: str  # "auto" | an AdaLN backward strategy
-    raw_execute: bool
+class Config:
+    """cudnorm's process-wide configuration: read it with :func:`get_config`, change it with
+    :func:`config`. ``Config()`` holds the defaults below; the configuration cudnorm starts
+    with is seeded from the environment variable named in brackets after each option.
+
+    Attributes:
+        policy: ``"auto"``: PyTorch's own ops serve CUDA calls where they make models faster
+            (eager calls under 2^24 elements, calls traced by ``torch.compile``; see
+            ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can.
+            [``CUDNORM_POLICY``]
+        autotune: ``"auto"``: time candidate plans for large LayerNorm/RMSNorm forwards;
+            ``"on"``: for every new graph; ``"off"``: never (the heuristics' first plan).
+            [``CUDNORM_AUTOTUNE``: also ``1``/``true``/``yes``/``always`` and
+            ``0``/``false``/``no``/``never``]
+        autotune_candidates: how many of the heuristics' candidate plans autotuning times
+            (integer >= 1), or ``"all"`` (25-28 for LN/RMS forwards, 16-39 s per graph at
+            32768 x 8192..32768 on an H200). [``CUDNORM_AUTOTUNE_CANDIDATES``]
+        fp32_weight_fwd: changes the numbers computed. ``"round"``: fp32 weights of a
+            half-precision input are rounded to its dtype for the forward; ``"native"``: the
+            forward reads them in fp32 (cuDNN 9.19's slower generic engine).
+            [``CUDNORM_FP32_WEIGHT_FWD``]
+        cache_size: plans kept in memory (integer >= 1); changing it resizes the cache,
+            evicting least recently used plans. [``CUDNORM_CACHE_SIZE``]
+        exact_rows: row counts per norm family that may get their own graphs (integer >= 0);
+            other counts run on shared row-chunk graphs (``cudnorm._rows``).
+            [``CUDNORM_EXACT_ROWS``]
+        exact_after: calls at one row count before it gets its own graphs (integer >= 1).
+            [``CUDNORM_EXACT_AFTER``]
+        ada_forward: the AdaLN forward strategy: ``"auto"`` (the rule table in
+            ``cudnorm.ada_layer_norm``), ``"cudnn"``, ``"per_sample"`` or ``"torch"``.
+            [``CUDNORM_ADA_FWD``]
+        ada_backward: the AdaLN backward strategy, the same values. [``CUDNORM_ADA_BWD``]
+        raw_execute: launch plans through the frontend's raw-pointer execute where that
+            frontend version was verified for it (``cudnorm._graphs``); ``False``: always
+            the public ``execute``. [``CUDNORM_RAW_EXECUTE``: ``1``/``0`` and synonyms]
+        plan_store: whether built plans are saved to and loaded from the on-disk store.
+            [``CUDNORM_PLAN_STORE``: ``1``/``0`` and synonyms]
+        plan_store_dir: the store's directory; ``None``: ``$XDG_CACHE_HOME/cudnorm/plans``,
+            else ``~/.cache/cudnorm/plans``. [``CUDNORM_PLAN_STORE_DIR``]
+        plan_store_max_mb: the store's size bound in MB (a finite number >= 0; least recently
+            used entries are removed first). [``CUDNORM_PLAN_STORE_MAX_MB``]
+        disable_cudnn: the kill switch: ``True`` runs PyTorch's kernels everywhere.
+            [``CUDNORM_DISABLE_CUDNN``: ``1``/``0`` and synonyms]
+    """
+
+    policy: Literal["auto", "cudnn"] = "auto"
+    autotune: Literal["auto", "on", "off"] = "auto"
+    autotune_candidates: int | Literal["all"] = 8
+    fp32_weight_fwd: Literal["round", "native"] = "round"
+    cache_size: int = 512
+    exact_rows: int = 1
+    exact_after: int = 1
+    ada_forward: Literal["auto", "cudnn", "per_sample", "torch"] = "auto"
+    ada_backward: Literal["auto", "cudnn", "per_sample", "torch"] = "auto"
+    raw_execute: bool = True
+    plan_store: bool = True
+    plan_store_dir: str | None = None
+    plan_store_max_mb: float = 512
+    disable_cudnn: bool = False
+
+    def __post_init__(self) -> None:
+        for name in OPTIONS:
+            object.__setattr__(self, name, _checked(name, getattr(self, name), "cudnorm.Config"))
+
+    def __enter__(self) -> Config:
+        restore = self.__dict__.get("_restore")  # set by config(): what was current before it
+        if restore is None or current != self:  # a Config made by hand, or one replaced since
+            restore = _install(self)[1]
+        _restores().append(restore)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _install(_restores().pop())
 
 
-def _choice(name: str, default: str) -> str:
-    raw = os.environ.get(name, default).strip().lower()
+# -- the options: what each takes, in the API and in the environment ----------------------
+@dataclass(frozen=True)
+class _Option:
+    env: str
+    allowed: str  # what the option takes, for messages
+    check: Callable[[object], object]  # the value as stored; TypeError/ValueError when refused
+    parse: Callable[[str], object] = str  # environment text (stripped) -> value, unless in `words`
+    words: Mapping[str, object] = dataclasses.field(default_factory=dict)  # lower-case spellings -> value
+    env_allowed: str = ""  # what the variable takes, when it differs from `allowed`
+
+
+def _choice(*values: str) -> Callable[[object], str]:
+    def check(value):
+        if not isinstance(value, str):
+            raise TypeError
+        if value not in values:
+            raise ValueError
+        return value
+    return check
+
+
+def _integer(minimum: int, *words: str) -> Callable[[object], object]:
+    def check(value):
+        if isinstance(value, str) and words:
+            if value in words:
+                return value
+            raise ValueError
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError
+        if value < minimum:
+            raise ValueError
+        return value
+    return check
+
+
+def _flag(value):
+    if not isinstance(value, bool):
+        raise TypeError
+    return value
+
+
+def _megabytes(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError
+    if not 0 <= value < math.inf:  # nan fails both comparisons
+        raise ValueError
+    return value
+
+
+def _directory(value):
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError
+    return os.fspath(value)
+
+
+def _names(values) -> str:
+    values = [repr(v) for v in values]
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+_YES_NO = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+_FLAG_ENV = "1, true, yes, on or 0, false, no, off"
+OPTIONS: dict[str, _Option] = {
+    "policy": _Option("CUDNORM_POLICY", _names(("auto", "cudnn")), _choice("auto", "cudnn"), parse=str.lower),
+    "autotune": _Option(
+        "CUDNORM_AUTOTUNE", _names(("auto", "on", "off")), _choice("auto", "on", "off"), parse=str.lower,
+        words={**dict.fromkeys(("1", "true", "yes", "always"), "on"), **dict.fromkeys(("0", "false", "no", "never"), "off")},
+        env_allowed="auto, on (1, true, yes, always) or off (0, false, no, never)"),
+    "autotune_candidates": _Option("CUDNORM_AUTOTUNE_CANDIDATES", "an integer >= 1 or 'all'", _integer(1, "all"),
+                                   parse=int, words={"all": "all"}),
+    "fp32_weight_fwd": _Option("CUDNORM_FP32_WEIGHT_FWD", _names(("round", "native")), _choice("round", "native"),
+                               parse=str.lower),
+    "cache_size": _Option("CUDNORM_CACHE_SIZE", "an integer >= 1", _integer(1), parse=int),
+    "exact_rows": _Option("CUDNORM_EXACT_ROWS", "an integer >= 0", _integer(0), parse=int),
+    "exact_after": _Option("CUDNORM_EXACT_AFTER", "an integer >= 1", _integer(1), parse=int),
+    "ada_forward": _Option("CUDNORM_ADA_FWD", _names(_STRATEGIES), _choice(*_STRATEGIES), parse=str.lower),
+    "ada_backward": _Option("CUDNORM_ADA_BWD", _names(_STRATEGIES), _choice(*_STRATEGIES), parse=str.lower),
+    "raw_execute": _Option("CUDNORM_RAW_EXECUTE", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
+    "plan_store": _Option("CUDNORM_PLAN_STORE", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
+    "plan_store_dir": _Option("CUDNORM_PLAN_STORE_DIR", "a path (str or os.PathLike) or None", _directory),
+    "plan_store_max_mb": _Option("CUDNORM_PLAN_STORE_MAX_MB", "a finite number >= 0", _megabytes, parse=float),
+    "disable_cudnn": _Option("CUDNORM_DISABLE_CUDNN", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
+}
+
+
+def _checked(name: str, value, where: str):
+    """``value`` as ``Config.<name>`` stores it; ``TypeError``/``ValueError`` naming ``where``,
+    the option and what it takes."""
+    option = OPTIONS[name]
     try:
-        return _CHOICES[name][raw]
-    except KeyError:
-        raise ValueError(f"cudnorm: {name} must be one of {sorted(set(_CHOICES[name]))}, got {raw!r}") from None
+        return option.check(value)
+    except TypeError:
+        raise TypeError(f"{where}: option {name!r} must be {option.allowed}, got {value!r}") from None
+    except ValueError:
+        raise ValueError(f"{where}: option {name!r} must be {option.allowed}, got {value!r}") from None
 
 
-def _count(name: str, default: str) -> int:
-    raw = os.environ.get(name, default).strip()
-    if not raw.isdigit():
-        raise ValueError(f"cudnorm: {name} must be an integer >= 0, got {raw!r}")
-    return int(raw)
+def from_environment(environ: Mapping[str, str] = os.environ) -> Config:
+    """The configuration the ``CUDNORM_*`` variables of ``environ`` describe: each variable set
+    to a non-empty value seeds its option; a malformed one warns and leaves the default."""
+    values = {}
+    for name, option in OPTIONS.items():
+        raw = environ.get(option.env, "")
+        text = raw.strip()
+        if not text:
+            continue
+        try:
+            word = text.lower()
+            values[name] = option.check(option.words[word] if word in option.words else option.parse(text))
+        except (TypeError, ValueError):
+            warnings.warn(f"cudnorm: ignoring {option.env}={raw!r}: it must be {option.env_allowed or option.allowed}; "
+                          f"using the default, {getattr(Config, name)!r}", stacklevel=2)
+    return Config(**values)
 
 
-def _candidates() -> int:
-    name = "CUDNORM_AUTOTUNE_CANDIDATES"
-    if os.environ.get(name, "").strip().lower() == "all":
-        return 0
-    count = _count(name, "8")
-    if count < 1:
-        raise ValueError(f"cudnorm: {name} must be an integer >= 1 or 'all', got {count}")
-    return count
+# -- the current configuration and changes to it --------------------------------------------
+current = from_environment()
+
+_canonical: dict[Config, Config] = {current: current}  # each distinct configuration, once
+_listeners: list[Callable[[Config, Config], None]] = []
+_lock = threading.Lock()  # one change (swap and listeners) at a time
+_local = threading.local()
 
 
-def _read() -> Settings:
-    size = _count("CUDNORM_CACHE_SIZE", "512")
-    if size < 1:
-        raise ValueError(f"cudnorm: CUDNORM_CACHE_SIZE must be >= 1, got {size}")
-    return Settings(
-        disable_cudnn=os.environ.get("CUDNORM_DISABLE_CUDNN", "").strip().lower() in ("1", "true", "yes", "on"),
-        policy=_choice("CUDNORM_POLICY", "auto"),
-        autotune=_choice("CUDNORM_AUTOTUNE", "auto"),
-        autotune_candidates=_candidates(),
-        fp32_weight_fwd=_choice("CUDNORM_FP32_WEIGHT_FWD", "round"),
-        cache_size=size,
-        exact_rows=_count("CUDNORM_EXACT_ROWS", "1"),
-        exact_after=max(1, _count("CUDNORM_EXACT_AFTER", "1")),
-        ada_forward=_choice("CUDNORM_ADA_FWD", "auto"),
-        ada_backward=_choice("CUDNORM_ADA_BWD", "auto"),
-        raw_execute=os.environ.get("CUDNORM_RAW_EXECUTE", "1").strip().lower() not in ("0", "false", "no", "off"),
-    )
+def _restores() -> list[Config]:
+    """This thread's open ``with`` blocks: the configuration each restores, innermost last."""
+    stack = getattr(_local, "restores", None)
+    if stack is None:
+        stack = _local.restores = []
+    return stack
 
 
-current = _read()
+def on_change(listener: Callable[[Config, Config], None]) -> None:
+    """Call ``listener(old, new)`` after each change of the configuration (for state that the
+    configuration sizes or places: the plan cache, the plan store)."""
+    _listeners.append(listener)
 
 
-def reload() -> Settings:
-    """Re-read the environment (and resize the plan cache to ``CUDNORM_CACHE_SIZE``)."""
+def _install(new: Config) -> tuple[Config, Config]:
+    """Make ``new`` (or the equal configuration made before) current: ``(new, previous)``."""
     global current
-    current = _read()
-    from . import _cache  # noqa: PLC0415 - _cache imports this module
+    with _lock:
+        new = _canonical.setdefault(new, new)
+        previous, current = current, new
+        if new is not previous:
+            for listener in _listeners:
+                listener(previous, new)
+    return new, previous
 
-    _cache.plans.resize(current.cache_size)
+
+def get_config() -> Config:
+    """The configuration in effect now (see :class:`Config`)."""
     return current
 
 
-_replacements: dict = {}
+def config(**overrides) -> Config:
+    """Change cudnorm's configuration and return the new one; as a context manager, only
+    until the end of the block::
 
+        cudnorm.config(autotune="off")         # from now on
+        with cudnorm.config(policy="cudnn"):   # in this block
+            ...
 
-@contextlib.contextmanager
-def replaced(**changes) -> Iterator[Settings]:
-    """Run a block with some settings changed (``replaced(policy="cudnn")``), restoring the
-    previous settings afterwards; for benchmarks and tests comparing paths in one process."""
-    global current
-    saved = current
-    key = (saved, tuple(sorted(changes.items())))
-    # the same object for the same change: compiled code guarding on the settings and the
-    # per-device route memo (keyed on this object) stay valid from one block to the next
-    current = _replacements.get(key) or _replacements.setdefault(key, dataclasses.replace(saved, **changes))
-    try:
-        yield current
-    finally:
-        current = saved
+    The change takes effect at the call. The configuration is process-wide, not per thread:
+    a ``with`` block changes it for every thread while it runs, and threads changing it at
+    the same time may restore each other's changes. Changing ``cache_size`` resizes the plan
+    cache; changing ``plan_store``, ``plan_store_dir`` or ``plan_store_max_mb`` installs the
+    store they describe.
+
+    Args:
+        **overrides: :class:`Config` fields and their new values; the others keep their
+            current values. With none, the current configuration (and a ``with`` block
+            restores it at its end, undoing every change made inside).
+
+    Returns:
+        The new :class:`Config`. Used in a ``with`` statement, it restores at the end of the
+        block the configuration that was current when ``config`` was called.
+
+    Raises:
+        TypeError: an unknown option, or a value of the wrong type.
+        ValueError: a value the option does not take (the message says what it takes).
+    """
+    unknown = [name for name in overrides if name not in OPTIONS]
+    if unknown:
+        raise TypeError(f"cudnorm.config: unknown option {unknown[0]!r}; the options are {', '.join(OPTIONS)}")
+    checked = {name: _checked(name, value, "cudnorm.config") for name, value in overrides.items()}
+    new, previous = _install(dataclasses.replace(current, **checked))
+    handle = copy.copy(new)  # equal to `new`; carries what a `with` block restores
+    object.__setattr__(handle, "_restore", previous)
+    return handle
+

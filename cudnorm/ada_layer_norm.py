@@ -18,14 +18,14 @@ that captured the launches into CUDA graphs replayed while tensor addresses repe
 removed: with fresh tensors every capture was paid again, and a DiT training step got
 slower than PyTorch's own norms.)
 
-Forward strategies (:data:`FORWARD_RULES`, ``CUDNORM_ADA_FWD`` forces one):
+Forward strategies (:data:`FORWARD_RULES`, ``cudnorm.config(ada_forward=...)`` forces one):
 
 * ``cudnn``: cuDNN's adalayernorm forward graph, one launch.
 * ``per_sample``: the plain LayerNorm forward graph launched once per sample with weight
   ``gain[b]`` and bias ``shift[b]``.
 * ``torch``: PyTorch's kernels in fp32 (also the CPU path).
 
-Backward strategies (:data:`BACKWARD_RULES`, ``CUDNORM_ADA_BWD`` forces one):
+Backward strategies (:data:`BACKWARD_RULES`, ``cudnorm.config(ada_backward=...)`` forces one):
 
 * ``per_sample``: the plain LayerNorm backward graph launched once per sample with weight
   ``gain[b]``; its dW/dB are that sample's dscale/dshift.
@@ -98,7 +98,7 @@ def _backward_strategy(b: int, s: int, d: int, dtype: torch.dtype) -> str:
 
 def _forward_dtype(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.dtype:
     """The dtype the forward reads gain and shift in: ``_dispatch.forward_params``' rule for
-    a pair (fp32 only when either is fp32 and ``CUDNORM_FP32_WEIGHT_FWD=native``)."""
+    a pair (fp32 only when either is fp32 and ``Config.fp32_weight_fwd`` is ``"native"``)."""
     return _dispatch.forward_param_dtype(x, scale if scale.dtype is _F32 else shift)
 
 
@@ -467,7 +467,7 @@ def _check_modulation(arg: str, value, input: torch.Tensor) -> None:
     """scale/shift: ``[B, D]`` or ``[B, 1, ..., 1, D]``, fp32 or the input's dtype (any
     supported dtype with an fp32 input: promoted, as PyTorch's formula does)."""
     b, d = input.shape[0], input.shape[-1]
-    dtypes = _runtime.SUPPORTED_DTYPES if input.dtype is _F32 else tuple(dict.fromkeys((input.dtype, _F32)))
+    dtypes = _runtime.SUPPORTED_DTYPES if input.dtype is _F32 else _checks.param_dtypes(input.dtype)
     _checks.check_tensor(_OP, arg, value, dtypes=dtypes)
     shape = tuple(value.shape)
     if len(shape) < 2 or shape[0] != b or shape[-1] != d or any(n != 1 for n in shape[1:-1]):

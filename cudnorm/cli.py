@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 # subcommand -> (module, help); each module defines add_arguments(parser) and run(args) -> int
@@ -34,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(_module=module_name)
         importlib.import_module(module_name).add_arguments(p)
     args = parser.parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (`cudnorm info | head`): stop quietly, as shell tools do. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
 
 
 def print_json_or_table(data: dict, as_json: bool) -> None:
@@ -42,7 +49,7 @@ def print_json_or_table(data: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
-    width = max(len(k) for k in data)
+    width = max(len(k) for d in (data, *(v for v in data.values() if isinstance(v, dict))) for k in d)
     for key, value in data.items():
         if isinstance(value, dict):
             print(f"{key}:")

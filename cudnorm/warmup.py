@@ -106,7 +106,7 @@ def norm_specs(op: str, rows: int, cols: int, *, x_dtype: torch.dtype, weight_dt
                device_index: int, phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
     """The specs :func:`cudnorm.layer_norm` / :func:`cudnorm.rms_norm` request for a packed
     ``[rows, cols]`` input of ``x_dtype`` with weights of ``weight_dtype`` (``None``: no
-    affine parameters), under the current ``CUDNORM_*`` policies.
+    affine parameters), under the current configuration (:func:`cudnorm.get_config`).
 
     The scale dtype comes from the ops' own rule (``_dispatch.forward_params`` on meta
     tensors) and the spec from the ops' own constructor (``_dispatch.spec_for``);

@@ -84,7 +84,7 @@ def test_no_grad_forward_saves_no_stats():
     assert stats.numel() == 0
 
 
-def test_strategy_rules_and_settings(cudnorm_env):
+def test_strategy_rules_and_settings():
     # cuDNN's AdaLN forward graph everywhere; its backward graph for a few small samples, the
     # per-sample LayerNorm backward otherwise
     for shape, backward in [((4, 1024, 768), "cudnn"), ((8, 256, 1152), "cudnn"), ((2, 1024, 1152), "cudnn"),
@@ -92,15 +92,13 @@ def test_strategy_rules_and_settings(cudnorm_env):
                             ((16, 4096, 3072), "per_sample"), ((1, 1, 1000), "per_sample")]:
         assert ada.choose_forward(*shape, torch.bfloat16) == "cudnn"
         assert ada.choose_backward(*shape, torch.bfloat16) == backward, shape
-    cudnorm_env("CUDNORM_ADA_BWD", "cudnn")
-    cudnorm_env("CUDNORM_ADA_FWD", "torch")
+    cudnorm.config(ada_backward="cudnn", ada_forward="torch")
     assert ada._backward_strategy(1, 1, 8, torch.float32) == "cudnn"
     assert ada._forward_strategy(16, 4096, 3072, torch.bfloat16) == "torch"
-    for name in ("CUDNORM_ADA_BWD", "CUDNORM_ADA_FWD"):
+    for name in ("ada_backward", "ada_forward"):
         for removed in ("fastest", "per_sample_graph", "cudnn_graph"):  # the captured strategies are gone
-            with pytest.raises(ValueError, match=name):
-                cudnorm_env(name, removed)
-        cudnorm_env(name, "auto")
+            with pytest.raises(ValueError, match=f"option '{name}' must be 'auto', 'cudnn', 'per_sample' or 'torch'"):
+                cudnorm.config(**{name: removed})
 
 
 def test_check_cases_pass_on_cpu():
@@ -167,7 +165,7 @@ class _FakePlan:
 @pytest.mark.parametrize("fwd, bwd", [("cudnn", "cudnn"), ("per_sample", "per_sample"), ("cudnn", "per_sample"),
                                       ("per_sample", "cudnn")])
 @pytest.mark.parametrize("decline_first", [False, True])
-def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_first, monkeypatch, cudnorm_env):
+def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_first, monkeypatch):
     """The cuDNN-path code of both ops (addresses in role order, sizes, dtypes, alignment,
     per-sample offsets, fall-through) run on CPU with every plan faked; a declined first
     choice must fall through to the other strategy with the same result."""
@@ -188,8 +186,7 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
 
     monkeypatch.setattr(ada._dispatch, "route", lambda x: None)
     monkeypatch.setattr(ada._dispatch, "get_plan", fake_get_plan)
-    cudnorm_env("CUDNORM_ADA_FWD", fwd)
-    cudnorm_env("CUDNORM_ADA_BWD", bwd)
+    cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     x, scale, shift = _inputs(shape, dtype, torch.float32, True, scale_shape=(b, 1, d))
     rows = _report(x, scale, shift, True)
     assert all(r["ok"] for r in rows), rows
@@ -391,8 +388,7 @@ def test_compile_fullgraph_cpu():
 # fp16/fp32 only on the smallest shapes (the dtype plumbing); bf16 on the DiT-like ones too
 GPU_CASES = ([((4, 1024, 768), torch.bfloat16), ((32, 256, 1152), torch.bfloat16)]
              + [(shape, dtype) for shape in ((1, 1, 1000), (3, 77, 1000)) for dtype in DTYPES])
-GPU_STRATEGIES = [("CUDNORM_ADA_FWD", s) for s in ada.FORWARD_STRATEGIES] + [("CUDNORM_ADA_BWD", s)
-                                                                               for s in ada.STRATEGIES]
+GPU_STRATEGIES = [("ada_forward", s) for s in ada.FORWARD_STRATEGIES] + [("ada_backward", s) for s in ada.STRATEGIES]
 
 
 def _inference_ok(x, scale, shift):
@@ -406,11 +402,10 @@ def _inference_ok(x, scale, shift):
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, strategy", GPU_STRATEGIES)
 @pytest.mark.parametrize("shape, dtype", GPU_CASES)
-def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy, cudnorm_env):
+def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy):
     """Each strategy, forced, meets the 2x-PyTorch rule and really served the call: the
     specs requested are exactly the first choice (``specs_for``) and none was declined."""
-    cudnorm_env("CUDNORM_AUTOTUNE", "0")
-    cudnorm_env(setting, strategy)
+    cudnorm.config(autotune="off", **{setting: strategy})
     b, s, d = shape
     x, scale, shift = _inputs(shape, dtype, torch.float32, True, "cuda")
     with cudnorm.record_specs() as rec:
@@ -424,9 +419,8 @@ def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy, cudnorm_en
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fwd, bwd", [("cudnn", "cudnn"), ("per_sample", "per_sample")])
-def test_gpu_plain_convention_same_dtype_scale(fwd, bwd, cudnorm_env):
-    cudnorm_env("CUDNORM_ADA_FWD", fwd)
-    cudnorm_env("CUDNORM_ADA_BWD", bwd)
+def test_gpu_plain_convention_same_dtype_scale(fwd, bwd):
+    cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     x, scale, shift = _inputs((4, 1024, 768), torch.bfloat16, torch.bfloat16, False, "cuda", scale_shape=(4, 1, 768))
     rows = _report(x, scale, shift, False)
     assert all(r["ok"] for r in rows), rows
@@ -434,7 +428,7 @@ def test_gpu_plain_convention_same_dtype_scale(fwd, bwd, cudnorm_env):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])  # bf16: the graph also rounds dscale/dshift
-def test_gpu_chunked_modulation_every_strategy_agrees(wdtype, cudnorm_env):
+def test_gpu_chunked_modulation_every_strategy_agrees(wdtype):
     """scale/shift as chunks of one Linear output (DiT's adaLN-Zero): the forward and both
     backward strategies give the fp32 formula's values within bf16 rounding."""
     b, s, d = 8, 256, 1152
@@ -443,7 +437,7 @@ def test_gpu_chunked_modulation_every_strategy_agrees(wdtype, cudnorm_env):
     dy = torch.randn_like(x)
     results = {}
     for bwd in ("per_sample", "cudnn", "torch"):
-        cudnorm_env("CUDNORM_ADA_BWD", bwd)
+        cudnorm.config(ada_backward=bwd)
         shift, scale = emb.chunk(6, dim=1)[:2]
         y = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
         results[bwd] = (y, *torch.autograd.grad(y, [x, emb], dy))
@@ -534,10 +528,9 @@ def test_gpu_step_captured_by_the_caller():
 @pytest.mark.parametrize("fwd, bwd", [("cudnn", "cudnn"), ("per_sample", "per_sample")])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_opcheck(fwd, bwd, training, dtype, cudnorm_env):
+def test_gpu_opcheck(fwd, bwd, training, dtype):
     """Real, fake (no data pointers) and autograd-registration checks of both ops on CUDA."""
-    cudnorm_env("CUDNORM_ADA_FWD", fwd)
-    cudnorm_env("CUDNORM_ADA_BWD", bwd)
+    cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     torch.library.opcheck(torch.ops.cudnorm.ada_layer_norm_fwd.default, (*_op_args("cuda", dtype, training), 1e-6,
                                                                          True, training))
     x, scale, _ = _op_args("cuda", dtype, training=False)
@@ -548,20 +541,18 @@ def test_gpu_opcheck(fwd, bwd, training, dtype, cudnorm_env):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fwd, bwd", [("cudnn", "per_sample"), ("per_sample", "cudnn")])
-def test_gpu_compile_fullgraph(fwd, bwd, cudnorm_env):
-    cudnorm_env("CUDNORM_ADA_FWD", fwd)
-    cudnorm_env("CUDNORM_ADA_BWD", bwd)
+def test_gpu_compile_fullgraph(fwd, bwd):
+    cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     _compiled_matches_eager("cuda")
 
 
-@pytest.mark.parametrize("mode, s, tuned", [("auto", 4096, True), ("auto", 1024, False), ("0", 4096, False),
+@pytest.mark.parametrize("mode, s, tuned", [("auto", 4096, True), ("auto", 1024, False), ("off", 4096, False),
                                            ("on", 1024, True)])
-def test_per_sample_backward_spec_matches_warmup(mode, s, tuned, cudnorm_env):
+def test_per_sample_backward_spec_matches_warmup(mode, s, tuned):
     """warmup's specs (``specs_for``) ask for exactly the per-sample backward spec the op
     builds; in ``auto`` mode it is tuned from 2**22 elements per sample (4096 x 3072 is
     12.6M, 1024 x 3072 is 3.1M)."""
-    cudnorm_env("CUDNORM_AUTOTUNE", mode)
-    cudnorm_env("CUDNORM_ADA_BWD", "per_sample")
+    cudnorm.config(autotune=mode, ada_backward="per_sample")
     b, d = 16, 3072
     x2 = torch.empty((b * s, d), dtype=torch.bfloat16, device="meta")
     spec = ada._per_sample_bwd_spec(x2[:s], torch.float32, 0)

@@ -94,33 +94,25 @@ def test_builds_and_build_seconds_are_counted(monkeypatch, fresh_cache):
     assert cudnorm.cache_info().size == 0 and cudnorm.cache_info().builds == 0
 
 
-def test_policies_from_environment(cudnorm_env):
-    cudnorm_env("CUDNORM_AUTOTUNE", "auto")
+def test_autotune_policies():
+    cudnorm.config(autotune="auto")
     assert _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "train", 64, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)
     assert _dispatch.autotune_wanted("rms_norm", "train", 32768, 32768)  # 2**30 elements: tuned
     assert not _dispatch.autotune_wanted("rms_norm", "train", 16384, 131072)  # 2**31: tuning costs 36-103 s
-    cudnorm_env("CUDNORM_AUTOTUNE", "1")
+    cudnorm.config(autotune="on")
     assert _dispatch.autotune_wanted("layer_norm", "bwd", 1, 1)
-    cudnorm_env("CUDNORM_AUTOTUNE", "0")
+    cudnorm.config(autotune="off")
     assert not _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
-    with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE"):
-        cudnorm_env("CUDNORM_AUTOTUNE", "sometimes")
-    cudnorm_env("CUDNORM_AUTOTUNE", "auto")
-    with pytest.raises(ValueError, match="CUDNORM_FP32_WEIGHT_FWD"):
-        cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "bogus")
-    cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "round")
-    with pytest.raises(ValueError, match="CUDNORM_CACHE_SIZE"):
-        cudnorm_env("CUDNORM_CACHE_SIZE", "0")
 
 
-def test_forward_params_rounds_fp32_weights_for_half_inputs(cudnorm_env):
+def test_forward_params_rounds_fp32_weights_for_half_inputs():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     w, b = torch.randn(8), torch.randn(8)
     scale, shift, dtype = _dispatch.forward_params(x, w, b, has_bias=True)
     assert dtype == torch.bfloat16 and scale.dtype == shift.dtype == torch.bfloat16
-    cudnorm_env("CUDNORM_FP32_WEIGHT_FWD", "native")
+    cudnorm.config(fp32_weight_fwd="native")
     scale, shift, dtype = _dispatch.forward_params(x, w, None, has_bias=True)
     assert dtype == torch.float32 and scale is w, "no copy"
     assert torch.equal(shift, torch.zeros(8)), "an absent bias is a zeros vector"
@@ -153,18 +145,14 @@ class _Candidates:
         return _graphs.EXTRA_CANDIDATES[0] if index == self.special else f"eng5_k{index}"
 
 
-def test_autotune_candidates_from_environment(cudnorm_env):
+def test_autotune_candidates():
     from cudnorm import _graphs
 
     assert _graphs.autotune_candidates(_Candidates(27)) == list(range(8))  # the default
     assert _graphs.autotune_candidates(_Candidates(3)) == list(range(3))
     assert _graphs.autotune_candidates(_Candidates(27, special=21)) == [*range(8), 21]  # a known fast plan
     assert _graphs.autotune_candidates(_Candidates(27, special=5)) == list(range(8))  # already among them
-    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "all")
+    cudnorm.config(autotune_candidates="all")
     assert _graphs.autotune_candidates(_Candidates(27, special=21)) == list(range(27))
-    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "12")
+    cudnorm.config(autotune_candidates=12)
     assert _graphs.autotune_candidates(_Candidates(27)) == list(range(12))
-    for bad in ("0", "many"):
-        with pytest.raises(ValueError, match="CUDNORM_AUTOTUNE_CANDIDATES"):
-            cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", bad)
-    cudnorm_env("CUDNORM_AUTOTUNE_CANDIDATES", "8")

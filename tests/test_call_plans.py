@@ -88,14 +88,14 @@ def test_misaligned_input_with_a_known_signature_is_copied(recording):
     assert torch.equal(plan.launches[-1]["x"], misaligned)
 
 
-def test_clear_cache_and_settings_reload_empty_the_memo(recording, cudnorm_env):
+def test_clear_cache_and_config_changes_empty_the_memo(recording):
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     _ln(x)
     cudnorm.clear_cache()
     assert _call_plans._norm_calls.entries == {}
     _ln(x)
     assert len(recording) == 2
-    cudnorm_env("CUDNORM_CACHE_SIZE", "100")  # any reload makes a new settings object
+    cudnorm.config(cache_size=100)  # any change makes a new configuration object
     _ln(x)
     assert len(recording) == 3
 
@@ -108,8 +108,8 @@ def test_record_specs_sees_memoised_calls(recording, tmp_path):
     assert rec.specs == [recording[0]]
 
 
-def test_chunked_calls_are_not_memoised(recording, cudnorm_env, monkeypatch):
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+def test_chunked_calls_are_not_memoised(recording, monkeypatch):
+    cudnorm.config(exact_rows=0)
     monkeypatch.setattr(_rows, "CHUNK_ROWS", {"train": (8, 4), "infer": (8, 4), "bwd": (8, 4)})
     x = torch.randn(12, 64, dtype=torch.bfloat16)
     _ln(x)

@@ -1,5 +1,5 @@
 """Double backward (``create_graph=True``: gradient penalties, Hessian-vector products) through
-cudnorm's own path (``CUDNORM_POLICY=cudnn``, set for every test in conftest) equals PyTorch's
+cudnorm's own path (``policy="cudnn"``, set for every test in conftest) equals PyTorch's
 double backward of the same formula: the first gradients are differentiable graphs, and the
 second derivatives for every input (and ``dy``) match."""
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import cudnorm
 from cudnorm import _graphs
 from cudnorm._spec import NormSpec
 
@@ -82,7 +83,7 @@ def test_spec_json_round_trip_and_slug():
         NormSpec("layer_norm", "train", 8, 64, torch.float32, torch.float32, 0, x_row_stride=32).validate()
 
 
-def test_raw_execute_only_on_verified_frontends(monkeypatch, cudnorm_env):
+def test_raw_execute_only_on_verified_frontends(monkeypatch):
     from cudnorm import _graphs, _runtime
 
     cudnn = _runtime.cudnn_module()
@@ -94,6 +95,6 @@ def test_raw_execute_only_on_verified_frontends(monkeypatch, cudnorm_env):
     assert _graphs.RawExecute.enabled()
     assert _graphs.RawExecute.for_graph(object(), (1,)) is None  # private details missing: public path
     assert _graphs.RawExecute.mode() == "raw-pointer launch"
-    cudnorm_env("CUDNORM_RAW_EXECUTE", "0")
+    cudnorm.config(raw_execute=False)
     assert not _graphs.RawExecute.enabled()
-    assert _graphs.RawExecute.mode() == "public execute (CUDNORM_RAW_EXECUTE=0)"
+    assert _graphs.RawExecute.mode() == "public execute (raw_execute=False)"

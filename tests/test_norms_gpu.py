@@ -18,9 +18,9 @@ SIZES = [256, 768, 1000, 1024, 4096, 5120, 12345, 16384, 65536]
 
 
 @pytest.fixture(autouse=True)
-def _no_autotune(cudnorm_env):
+def _no_autotune():
     # accuracy does not depend on the plan; autotuning every shape would only cost build time
-    cudnorm_env("CUDNORM_AUTOTUNE", "0")
+    cudnorm.config(autotune="off")
 
 
 def _rows(n):
@@ -189,8 +189,8 @@ def test_cpu_tensors_fall_back_on_a_gpu_machine():
     torch.testing.assert_close(cudnorm.layer_norm(x, (256,)), F.layer_norm(x, (256,)))
 
 
-def test_autotune_picks_a_timed_plan(fresh_cache, cudnorm_env):
-    cudnorm_env("CUDNORM_AUTOTUNE", "1")
+def test_autotune_picks_a_timed_plan(fresh_cache):
+    cudnorm.config(autotune="on")
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -295,7 +295,7 @@ def test_raw_execute_matches_public_execute(case):
     roles = _graphs.roles(spec)
     outputs = [i for i, r in enumerate(roles) if r in _OUTPUT_ROLES or (spec.phase == "train" and r in ("mean", "rstd"))]
     results = []
-    public_only = dataclasses.replace(plan, raw=None)  # CUDNORM_RAW_EXECUTE=0: addresses in the public form
+    public_only = dataclasses.replace(plan, raw=None)  # raw_execute=False: addresses in the public form
     for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, plan.run_public,
                 lambda *b: public_only.launch([t.data_ptr() for t in b])):
         for i in outputs:

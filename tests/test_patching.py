@@ -33,8 +33,9 @@ def _loss_and_grads(model, ids):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_llama_swaps_every_rms_norm_and_matches():
-    model, ids = _llama(), torch.randint(0, 128, (2, 16))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_llama_swaps_every_rms_norm_and_matches(device):
+    model, ids = _llama().to(device), torch.randint(0, 128, (2, 16), device=device)
     want, want_grads = _loss_and_grads(model, ids)
     keys, params = list(model.state_dict()), {n: id(p) for n, p in model.named_parameters()}
     report = cudnorm.patch(model)

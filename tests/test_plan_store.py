@@ -344,28 +344,28 @@ def test_dispatch_loads_from_store_instead_of_building(store, monkeypatch, insta
     assert len(builds) == 1 and cudnorm.cache_info().store_loads == 1
 
 
-def test_environment_configuration(tmp_path, monkeypatch, installed_store):
-    monkeypatch.delenv("CUDNORM_PLAN_STORE_DIR", raising=False)
+def test_configuration_installs_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cudnorm.get_config().plan_store_dir is None
     assert _plan_store.default_directory() == tmp_path / "xdg" / "cudnorm" / "plans"
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_DIR", str(tmp_path / "mine"))
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_MAX_MB", "1.5")
-    store = _plan_store.install_default_store()
-    assert _dispatch._plan_store is store and store.max_bytes == 1572864
+    cudnorm.config(plan_store=True, plan_store_dir=tmp_path / "mine", plan_store_max_mb=1.5)
+    store = _dispatch._plan_store
+    assert isinstance(store, PlanStore) and store.max_bytes == 1572864
     assert cudnorm.plan_store_info() == {"path": str(tmp_path / "mine"), "enabled": True, "writable": True,
                                          "entries": 0, "bytes": 0, "max_bytes": 1572864}
     assert not (tmp_path / "mine").exists(), "installing must not create the directory"
-    monkeypatch.setenv("CUDNORM_PLAN_STORE", "0")
-    assert _plan_store.install_default_store() is None and _dispatch._plan_store is None
-    assert cudnorm.plan_store_info()["enabled"] is False
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_MAX_MB", "lots")
-    with pytest.raises(ValueError, match="CUDNORM_PLAN_STORE_MAX_MB"):
-        _plan_store.max_bytes_from_env()
+    cudnorm.config(cache_size=100)
+    assert _dispatch._plan_store is store, "other options leave the store alone"
+    with cudnorm.config(plan_store_max_mb=2):
+        assert _dispatch._plan_store is not store and _dispatch._plan_store.max_bytes == 2 << 20
+    assert _dispatch._plan_store.max_bytes == 1572864
+    cudnorm.config(plan_store=False)
+    assert _dispatch._plan_store is None
+    assert cudnorm.plan_store_info()["enabled"] is False and cudnorm.plan_store_info()["path"] == str(tmp_path / "mine")
 
 
-def test_clear_removes_only_store_files(store, monkeypatch, installed_store):
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_DIR", str(store.root))
-    _plan_store.install_default_store()
+def test_clear_removes_only_store_files(store):
+    cudnorm.config(plan_store=True, plan_store_dir=store.root)
     for rows in (1, 2, 3):
         store.save(plan_(spec_(rows=rows)))
     (store.root / "README").write_text("not ours")
@@ -382,9 +382,8 @@ def cli_main(monkeypatch):
     return cli.main
 
 
-def test_cli_cache_info_and_clear(store, monkeypatch, installed_store, cli_main, capsys):
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_DIR", str(store.root))
-    _plan_store.install_default_store()
+def test_cli_cache_info_and_clear(store, cli_main, capsys):
+    cudnorm.config(plan_store=True, plan_store_dir=store.root)
     store.save(plan_(spec_(rows=4096, cols=8192, op="rms_norm", phase="bwd")))
     store.save(plan_(spec_(rows=8)))
     store.entry_path(spec_(rows=8)).write_bytes(b"junk")

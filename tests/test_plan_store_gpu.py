@@ -1,9 +1,8 @@
 """The on-disk plan store with real cuDNN plans: a plan built in one process is loaded by a
-fresh process, gives bit-identical results, and its first call takes <= 50 ms.
+fresh process (builds none) and gives bit-identical results. How fast that first call is
+belongs to a benchmark, not a test: ``benchmarks/plan_store_startup.py``.
 
-Each run is a new interpreter with its own ``CUDNORM_PLAN_STORE_DIR``. The first-call time
-excludes what a process pays once whatever it runs (CUDA context, cuDNN handle, torch's
-first explicit-gradient backward): it is the cost of reaching one graph.
+Each run is a new interpreter with its own ``CUDNORM_PLAN_STORE_DIR``.
 """
 
 import json
@@ -18,33 +17,17 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parents[1]
-FIRST_CALL_LIMIT_S = 0.050
 
 CHILD = r"""
-import json, sys, time
+import json, sys
 import torch
 import cudnorm
-from cudnorm import _cache, _runtime
+from cudnorm import _cache
 
 out_dir = sys.argv[1]
 dev = torch.device("cuda", 0)
-torch.ones(1, device=dev)
-_runtime.handle(0)
-# torch's first backward with an explicit gradient imports sympy (~1.8 s on the H200),
-# whatever op it runs through: a process pays that once, so it is paid here, untimed
-probe = torch.ones(2, device=dev, requires_grad=True)
-(probe * 2).backward(torch.ones(2, device=dev))
-torch.cuda.synchronize()
 gen = torch.Generator().manual_seed(0)
-first_call_s, tensors = {}, {}
-
-def first(name, fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    first_call_s[name] = time.perf_counter() - start
-    return out
+tensors = {}
 
 def leaf(*shape, dtype):
     return torch.randn(*shape, generator=gen).to(dev, dtype).requires_grad_()
@@ -53,20 +36,20 @@ for m, n in ((4096, 1024), (1000, 4096)):
     x = leaf(m, n, dtype=torch.bfloat16)
     w, b = leaf(n, dtype=torch.float32), leaf(n, dtype=torch.float32)
     dy = torch.randn(m, n, generator=gen).to(dev, torch.bfloat16)
-    y = first(f"ln_fwd_{m}x{n}", lambda: cudnorm.layer_norm(x, (n,), w, b))
-    first(f"ln_bwd_{m}x{n}", lambda: y.backward(dy))
+    y = cudnorm.layer_norm(x, (n,), w, b)
+    y.backward(dy)
     tensors.update({f"ln_y_{m}": y, f"ln_dx_{m}": x.grad, f"ln_dw_{m}": w.grad, f"ln_db_{m}": b.grad})
     x.grad = w.grad = None
-    y = first(f"rms_fwd_{m}x{n}", lambda: cudnorm.rms_norm(x, (n,), w, 1e-6))
-    first(f"rms_bwd_{m}x{n}", lambda: y.backward(dy))
+    y = cudnorm.rms_norm(x, (n,), w, 1e-6)
+    y.backward(dy)
     tensors.update({f"rms_y_{m}": y, f"rms_dx_{m}": x.grad, f"rms_dw_{m}": w.grad})
     with torch.no_grad():
-        tensors[f"rms_infer_{m}"] = first(f"rms_infer_{m}x{n}", lambda: cudnorm.rms_norm(x, (n,), w, 1e-6))
+        tensors[f"rms_infer_{m}"] = cudnorm.rms_norm(x, (n,), w, 1e-6)
 torch.save({k: v.detach().cpu() for k, v in tensors.items()}, f"{out_dir}/tensors.pt")
 plans = {s.slug(): {"plan": p.plan_name, "candidates": p.candidates_timed, "source": p.source}
          for s in _cache.plans.specs() for p in [_cache.plans.lookup(s)]}
 info = cudnorm.cache_info()
-json.dump({"first_call_s": first_call_s, "plans": plans, "builds": info.builds, "store_loads": info.store_loads},
+json.dump({"plans": plans, "builds": info.builds, "store_loads": info.store_loads},
           open(f"{out_dir}/report.json", "w"), indent=1)
 """
 
@@ -102,8 +85,6 @@ def test_plan_built_in_one_process_loads_in_another(tmp_path, autotune):
         assert any(v["candidates"] > 1 for v in warm["plans"].values())
     for name, tensor in cold["tensors"].items():
         assert torch.equal(tensor, warm["tensors"][name]), name
-    slow = {k: round(v * 1e3, 1) for k, v in warm["first_call_s"].items() if v > FIRST_CALL_LIMIT_S}
-    assert not slow, f"first calls over {FIRST_CALL_LIMIT_S * 1e3:.0f} ms with a warm store: {slow}"
 
 
 def test_corrupt_entry_is_rebuilt_with_a_warning(tmp_path):

@@ -5,6 +5,9 @@ type, a traceback, a hang); extreme values give PyTorch's result or better; resu
 bit for bit."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from cudnorm._plan_store import PlanStore, encode_entry
 from test_plan_store import fake_fingerprint, plan_, spec_  # noqa: F401 - the store test helpers
 
 X = torch.randn(4, 8)
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("call, error, words", [
@@ -56,11 +60,36 @@ def test_invalid_argument_under_fullgraph_compile_carries_cudnorms_message():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf"])
-def test_bad_store_size_is_named(monkeypatch, value):
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_MAX_MB", value)
-    with pytest.raises(ValueError, match="CUDNORM_PLAN_STORE_MAX_MB"):
-        _plan_store.max_bytes_from_env()
+# issue 21's cases: (variable, value, what it must be, the default used), in four environments
+BAD_ENVIRONMENTS = [
+    [("CUDNORM_PLAN_STORE_MAX_MB", "abc", "a finite number >= 0", "512"),
+     ("CUDNORM_CACHE_SIZE", "abc", "an integer >= 1", "512")],
+    [("CUDNORM_PLAN_STORE_MAX_MB", "-1", "a finite number >= 0", "512"),
+     ("CUDNORM_CACHE_SIZE", "0", "an integer >= 1", "512")],
+    [("CUDNORM_PLAN_STORE_MAX_MB", "nan", "a finite number >= 0", "512"),
+     ("CUDNORM_AUTOTUNE", "maybe", "auto, on (1, true, yes, always) or off (0, false, no, never)", "'auto'")],
+    [("CUDNORM_PLAN_STORE_MAX_MB", "inf", "a finite number >= 0", "512"),
+     ("CUDNORM_EXACT_ROWS", "-1", "an integer >= 0", "1")],
+]
+
+
+def test_bad_environment_values_warn_and_use_the_defaults():
+    """A malformed variable never breaks ``import cudnorm`` or a CLI command: one warning per
+    variable names it, the value, what it must be and the default used instead. (The
+    interpreters run at once: each pays torch's import.)"""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    runs = []
+    for cases in BAD_ENVIRONMENTS:
+        env = {**os.environ, "PYTHONPATH": path, **{variable: value for variable, value, _, _ in cases}}
+        for command in (["-c", "import cudnorm"], ["-m", "cudnorm.cli", "info"]):
+            runs.append((cases, command, subprocess.Popen([sys.executable, *command], env=env, text=True,
+                                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    for cases, command, proc in runs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in err, (command, err)
+        for variable, value, allowed, default in cases:
+            warning = f"cudnorm: ignoring {variable}={value!r}: it must be {allowed}; using the default, {default}"
+            assert err.count(warning) == 1, (command, warning, err)
 
 
 def _raw_entry(path, meta):
@@ -70,13 +99,9 @@ def _raw_entry(path, meta):
 
 @pytest.fixture
 def store_dir(tmp_path, monkeypatch):
-    from cudnorm import _dispatch
-
-    before = _dispatch._plan_store
-    monkeypatch.setenv("CUDNORM_PLAN_STORE_DIR", str(tmp_path / "plans"))
+    cudnorm.config(plan_store_dir=tmp_path / "plans")  # stays disabled (conftest): `cudnorm cache` still finds it
     monkeypatch.setattr(cli, "SUBCOMMANDS", {"cache": cli.SUBCOMMANDS["cache"]})
-    yield tmp_path / "plans"
-    _dispatch.set_plan_store(before)
+    return tmp_path / "plans"
 
 
 def test_cache_info_reports_malformed_and_special_entries(store_dir, capsys):
@@ -111,6 +136,27 @@ def test_cache_clear_that_cannot_remove_fails_loudly(store_dir, monkeypatch, cap
     assert cli.main(["cache", "clear"]) == 1
     err = capsys.readouterr().err
     assert "could not remove 1 of 1" in err and "read-only" in err
+
+
+def test_meta_tensors_give_shapes_without_a_device():
+    """Meta inputs (shape inference, as ``torch.device("meta")`` model construction uses) run
+    PyTorch's ops and give the output's shape and dtype."""
+    x = torch.empty(4, 16, 64, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(64, device="meta", dtype=torch.bfloat16)
+    for y in (cudnorm.layer_norm(x, (64,), w, w), cudnorm.rms_norm(x, (64,), w),
+              cudnorm.ada_layer_norm(x, torch.empty(4, 64, device="meta", dtype=torch.bfloat16),
+                                     torch.empty(4, 64, device="meta", dtype=torch.bfloat16))):
+        assert y.device.type == "meta" and y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_cli_output_into_a_closed_pipe_has_no_traceback():
+    """``cudnorm info | head -1``: the reader leaves before the command has written; the
+    command stops quietly with the shell's broken-pipe status instead of a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "cudnorm.cli", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "CUDNORM_PLAN_STORE": "0"})
+    proc.stdout.close()  # nobody reads: the first write fails with EPIPE
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
 
 
 @pytest.mark.parametrize("build", [lambda: cudnorm.AdaLayerNormZero(64, 1000),  # diffusers: num_embeddings
@@ -187,3 +233,39 @@ def test_ada_promotes_half_modulation_of_fp32_input_and_casts_conditioning():
     assert module(x.to(torch.bfloat16), torch.randn(2, 8))[0].dtype == torch.bfloat16
     continuous = cudnorm.AdaLayerNormContinuous(16, cond_dim=8).to(torch.bfloat16)
     assert continuous(x.to(torch.bfloat16), torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+def check_float64(device):
+    """float64 (references, ``gradcheck``, ``model.double()``) is served by PyTorch's own ops at
+    every policy: the same values and gradients as PyTorch's, bit for bit, through the
+    functions and the modules; an fp32 weight on a float64 input is refused as PyTorch does."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 32, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    w, b = (torch.randn(32, generator=g, dtype=torch.float64).to(device).requires_grad_() for _ in range(2))
+    s, t = (torch.randn(3, 32, generator=g, dtype=torch.float64).to(device).requires_grad_() for _ in range(2))
+    pairs = [(lambda: cudnorm.layer_norm(x, (32,), w, b), lambda: F.layer_norm(x, (32,), w, b)),
+             (lambda: cudnorm.rms_norm(x, (32,), w, 1e-6), lambda: F.rms_norm(x, (32,), w, 1e-6)),
+             (lambda: cudnorm.ada_layer_norm(x, s, t, one_plus_scale=True),
+              lambda: F.layer_norm(x, (32,), eps=1e-6) * (1 + s[:, None]) + t[:, None])]
+    for mine, theirs in pairs:
+        got, want = mine(), theirs()
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+        dy = torch.randn_like(got)
+        for a, e in zip(torch.autograd.grad(got, (x, w, b, s, t), dy, allow_unused=True),
+                        torch.autograd.grad(want, (x, w, b, s, t), dy, allow_unused=True)):
+            assert (a is None and e is None) or torch.equal(a, e)
+    assert cudnorm.serving_path("layer_norm", x).startswith("torch (")
+    module = cudnorm.LayerNorm(32).to(device, torch.float64)
+    torch.testing.assert_close(module(x), F.layer_norm(x, (32,), module.weight, module.bias), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda x: cudnorm.rms_norm(x, (32,), w, 1e-6), (x[:1, :2],))
+    with pytest.raises(TypeError, match=r"cudnorm.layer_norm: argument 'weight' has dtype torch.float32"):
+        cudnorm.layer_norm(x, (32,), w.float())
+
+
+def test_float64_is_served_by_pytorch_cpu():
+    check_float64("cpu")
+
+
+@pytest.mark.gpu
+def test_float64_is_served_by_pytorch_gpu():
+    check_float64("cuda")

@@ -215,9 +215,9 @@ def fake_builds(monkeypatch, fresh_cache):
     _rows.reset()
 
 
-def test_first_exact_rows_get_exact_graphs_then_chunks(fake_builds, cudnorm_env):
+def test_first_exact_rows_get_exact_graphs_then_chunks(fake_builds):
     asked, _ = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "2")
+    cudnorm.config(exact_rows=2)
     first, second, third = (_spec("layer_norm", "train", m) for m in (40, 50, 70))
     assert _rows.plan_or_chunks(first).spec == first
     assert _rows.plan_or_chunks(second).spec == second
@@ -237,10 +237,9 @@ def test_first_exact_rows_get_exact_graphs_then_chunks(fake_builds, cudnorm_env)
     assert not asked[-1].dynamic and asked[-1].rows in (8, 32) and asked[-1].phase == "bwd"
 
 
-def test_count_gets_exact_graphs_after_exact_after_calls(fake_builds, cudnorm_env):
+def test_count_gets_exact_graphs_after_exact_after_calls(fake_builds):
     asked, _ = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "1")
-    cudnorm_env("CUDNORM_EXACT_AFTER", "3")
+    cudnorm.config(exact_rows=1, exact_after=3)
     spec, other = _spec("layer_norm", "bwd", 70), _spec("layer_norm", "bwd", 50)
     chunked = _rows.plan_or_chunks(spec)
     assert isinstance(chunked, _rows.ChunkedPlan) and _rows.plan_or_chunks(spec) is chunked
@@ -261,17 +260,17 @@ def test_decompose_overlaps_with_any_size_only_when_asked():
     assert _rows.decompose(44, (32, 8, 4), any_size_overlap=True) == ([(36, 8), (0, 32), (32, 8)], 4)
 
 
-def test_zero_exact_rows_chunks_at_once_and_small_rows_fall_back(fake_builds, cudnorm_env):
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+def test_zero_exact_rows_chunks_at_once_and_small_rows_fall_back(fake_builds):
+    cudnorm.config(exact_rows=0)
     assert isinstance(_rows.plan_or_chunks(_spec("rms_norm", "infer", 4)), _rows.ChunkedPlan)
     before = cudnorm.cache_info().small_rows_fallbacks
     assert _rows.plan_or_chunks(_spec("rms_norm", "bwd", 7)) is None  # below the 8-row chunk
     assert cudnorm.cache_info().small_rows_fallbacks == before + 1
 
 
-def test_unchunkable_and_declined_chunks_use_the_exact_graph(fake_builds, cudnorm_env):
+def test_unchunkable_and_declined_chunks_use_the_exact_graph(fake_builds):
     asked, declined = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    cudnorm.config(exact_rows=0)
     odd = _spec("layer_norm", "train", 40, cols=12, dtype=torch.bfloat16)  # 24-byte rows
     assert not _rows.chunkable(odd) and _rows.plan_or_chunks(odd).spec == odd
     spec = _spec("layer_norm", "train", 40)
@@ -280,9 +279,9 @@ def test_unchunkable_and_declined_chunks_use_the_exact_graph(fake_builds, cudnor
     assert asked[-1] == spec
 
 
-def test_cached_exact_plan_is_returned_without_policy(fake_builds, cudnorm_env):
+def test_cached_exact_plan_is_returned_without_policy(fake_builds):
     asked, _ = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    cudnorm.config(exact_rows=0)
     spec = _spec("layer_norm", "bwd", 40)
     plan = FakePlan(spec)
     _cache.plans.put(spec, plan)
@@ -294,10 +293,10 @@ def test_cached_exact_plan_is_returned_without_policy(fake_builds, cudnorm_env):
 # -- through the public API, with fake chunk plans on the CPU ------------------------------
 
 @pytest.fixture
-def cpu_as_cudnn(monkeypatch, fake_builds, cudnorm_env):
+def cpu_as_cudnn(monkeypatch, fake_builds):
     """Route CPU tensors to the cuDNN code path, every row count chunked."""
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    cudnorm.config(exact_rows=0)
 
 
 @pytest.mark.parametrize("rows", [9, 37, 70])
@@ -328,10 +327,9 @@ GPU_ROWS = [1, 700, 1024, 1025, 4097, 5000, 17000, 40000]
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_random_row_counts_chunked_within_2x_rule(cudnorm_env, fresh_cache, dtype):
+def test_gpu_random_row_counts_chunked_within_2x_rule(fresh_cache, dtype):
     _rows.reset()
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
-    cudnorm_env("CUDNORM_AUTOTUNE", "0")  # accuracy does not depend on the plan
+    cudnorm.config(exact_rows=0, autotune="off")  # accuracy does not depend on the plan
     n = 4096
     w = (1 + 0.1 * torch.randn(n, device="cuda"))
     b = 0.1 * torch.randn(n, device="cuda")
@@ -355,16 +353,16 @@ def test_gpu_random_row_counts_chunked_within_2x_rule(cudnorm_env, fresh_cache, 
     assert built_rows <= {size for sizes in _rows.CHUNK_ROWS.values() for size in sizes}
 
 
-def test_chunked_plan_is_memoised_until_settings_change(fake_builds, cudnorm_env):
+def test_chunked_plan_is_memoised_until_settings_change(fake_builds):
     asked, _ = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")
+    cudnorm.config(exact_rows=0)
     spec = _spec("layer_norm", "train", 70)
     first = _rows.plan_or_chunks(spec)
     count = len(asked)
     before = cudnorm.cache_info().chunked_calls
     assert _rows.plan_or_chunks(spec) is first and len(asked) == count  # no policy, no plan lookups
     assert cudnorm.cache_info().chunked_calls == before + 1
-    cudnorm_env("CUDNORM_EXACT_ROWS", "1")  # new settings: the policy runs again (70 is admitted)
+    cudnorm.config(exact_rows=1)  # new settings: the policy runs again (70 is admitted)
     assert _rows.plan_or_chunks(spec).spec == spec
 
 
@@ -395,9 +393,9 @@ def test_forward_overlapping_chunk_of_a_larger_size(rows, phase, fake):
         torch.testing.assert_close(have, want, rtol=0, atol=0, msg=role)
 
 
-def test_count_in_the_plan_store_gets_its_exact_plan_at_once(fake_builds, cudnorm_env, monkeypatch):
+def test_count_in_the_plan_store_gets_its_exact_plan_at_once(fake_builds, monkeypatch):
     asked, _ = fake_builds
-    cudnorm_env("CUDNORM_EXACT_ROWS", "0")  # the policy alone would chunk every count
+    cudnorm.config(exact_rows=0)  # the policy alone would chunk every count
     stored = _spec("layer_norm", "bwd", 70)
     monkeypatch.setattr(_dispatch, "stored", lambda spec: spec == stored)
     assert _rows.plan_or_chunks(stored).spec == stored and asked[-1] == stored

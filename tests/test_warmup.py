@@ -39,11 +39,10 @@ def _training_step(weight_dtype, with_weight=True):
         cudnorm.rms_norm(x.reshape(6, 256), (256,), w)  # a repeat is recorded once
 
 
-@pytest.mark.parametrize("policy", [{}, {"CUDNORM_FP32_WEIGHT_FWD": "native"}, {"CUDNORM_AUTOTUNE": "1"}])
+@pytest.mark.parametrize("policy", [{}, {"fp32_weight_fwd": "native"}, {"autotune": "on"}])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, None])
-def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, cudnorm_env, tmp_path, policy, weight_dtype):
-    for name, value in policy.items():
-        cudnorm_env(name, value)
+def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, tmp_path, policy, weight_dtype):
+    cudnorm.config(**policy)
     path = tmp_path / "step.json"
     with cudnorm.record_specs(path) as rec:
         _training_step(weight_dtype or torch.float32, with_weight=weight_dtype is not None)
@@ -60,13 +59,12 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, cudnorm_env, tmp_pa
                                       ("per_sample", "cudnn"), ("cudnn", "per_sample"),
                                       ("torch", "cudnn"), ("cudnn", "torch")])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
-def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, cudnorm_env, fresh_cache, fwd, bwd, scale_dtype):
+def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, fresh_cache, fwd, bwd, scale_dtype):
     # plans that run nothing: each op takes its first strategy, as it would on a GPU
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
     monkeypatch.setattr(_dispatch, "_build", lambda spec: types.SimpleNamespace(
         spec=spec, run=lambda *a: None, launch=lambda pointers: None, raw=None, workspace_size=0))
-    cudnorm_env("CUDNORM_ADA_FWD", fwd)
-    cudnorm_env("CUDNORM_ADA_BWD", bwd)
+    cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     b, s, d = 2, 8, 64
     x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
     scale, shift = (torch.randn(b, d, dtype=scale_dtype, requires_grad=True) for _ in range(2))
@@ -140,22 +138,20 @@ def test_llm_preset():
     assert {s.cols for s in warmup_mod.preset_specs("llama-3-70b")} == {8192}
 
 
-def test_dit_preset(cudnorm_env):
+def test_dit_preset():
     specs = warmup_mod.preset_specs("dit-xl-2", batch=4, dtype=torch.float16)
     assert sorted(s.phase for s in specs) == ["bwd", "infer", "train"]
     assert all(s.x_dtype == torch.float16 and s.cols == 1152 for s in specs)
     assert all(s.op == "ada_layer_norm" and s.rows == 4 * 256 and s.batch == 4 and s.scale_dtype == torch.float16
                for s in specs if s.phase != "bwd" or ada.choose_backward(4, 256, 1152, torch.float16) == "cudnn")
     # MMDiT: 4096 image tokens and 333 text tokens per sample, each stream its own graphs
-    cudnorm_env("CUDNORM_ADA_FWD", "cudnn")
-    cudnorm_env("CUDNORM_ADA_BWD", "per_sample")
+    cudnorm.config(ada_forward="cudnn", ada_backward="per_sample")
     sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
     assert {(s.op, s.phase, s.rows) for s in sd3 if s.phase == "bwd"} == {
         ("layer_norm", "bwd", 4096), ("layer_norm", "bwd", 333)}
     assert {(s.op, s.rows, s.batch) for s in sd3 if s.phase != "bwd"} == {
         ("ada_layer_norm", 2 * 4096, 2), ("ada_layer_norm", 2 * 333, 2)}
-    cudnorm_env("CUDNORM_ADA_FWD", "per_sample")
-    cudnorm_env("CUDNORM_ADA_BWD", "cudnn")
+    cudnorm.config(ada_forward="per_sample", ada_backward="cudnn")
     sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
     # 333 text tokens: a sample's statistics would start misaligned, so cuDNN's AdaLN forward serves them
     assert {(s.op, s.phase, s.rows) for s in sd3} == {

@@ -24,7 +24,7 @@ Ops: ``ln_fwd``, ``ln_bwd``, ``rms_fwd``, ``rms_bwd`` (bf16 x, fp32 weight and L
 forward = training forward), ``ada_fwd``, ``ada_bwd`` (DiT AdaLN ``norm(x) * (1 + scale) + shift``, when
 ``cudnorm.ada_layer_norm`` exists). Shapes: the PyTorch genai_layers seed (M=32768, N=256 ..
 65536 for LN, .. 32768 for RMS) plus (16384, 131072) and (8192, 262144); DiT (B, S, D) shapes
-for AdaLN. Providers: cudnorm (its cuDNN path at every size, ``CUDNORM_POLICY=cudnn``: the
+for AdaLN. Providers: cudnorm (its cuDNN path at every size, ``policy="cudnn"``: the
 default policy runs PyTorch's op for small calls, which the torch row times), torch (eager,
 weights in x's dtype), compile
 (``torch.compile(fullgraph=True)`` of the fp32-upcast reference), liger, quack, cudnn_ops

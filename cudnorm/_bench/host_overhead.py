@@ -33,7 +33,7 @@ HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so th
        "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
        "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
        "fresh = a forward graph per call. cudnorm = the default policy (PyTorch's op below 2**24 elements, "
-       "cudnorm._policy); cudnorm-cudnn = every call on cuDNN (CUDNORM_POLICY=cudnn); torch = PyTorch's own op "
+       "cudnorm._policy); cudnorm-cudnn = every call on cuDNN (policy='cudnn'); torch = PyTorch's own op "
        "(F.layer_norm, F.rms_norm, and the eager AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + "
        "shift[:, None]`). Shapes: LN/RMS {rows}x{cols} bf16 with bf16 weights; AdaLN {ada} bf16 with "
        "scale/shift chunks of one [B, 6D] tensor (DiT).")
@@ -176,7 +176,7 @@ BREAKDOWN_HOW = ("Host us of each stage of cudnorm's path timed alone, as host_o
 def breakdown(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)) -> list[dict]:
     """Where the host time of a call goes: each stage of cudnorm's path timed alone (same
     tensors, GPU held busy), beside the whole call. ``[{"call", "stage", "us"}]``. Every
-    call runs cudnorm's cuDNN path (``CUDNORM_POLICY=cudnn``), the path it takes apart."""
+    call runs cudnorm's cuDNN path (``policy="cudnn"``), the path it takes apart."""
     with model_zoo.provider_settings("cudnorm-cudnn"):
         return _breakdown(rows, cols, ada_shape)
 

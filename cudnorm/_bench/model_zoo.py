@@ -77,7 +77,7 @@ def norm_provider(provider: str) -> str:
 
 def provider_settings(provider: str):
     """A context manager for everything a provider's model runs (build, compile, steps):
-    ``cudnorm-cudnn`` sets ``CUDNORM_POLICY=cudnn``, the others change nothing. Compiled
+    ``cudnorm-cudnn`` sets ``cudnorm.config(policy="cudnn")``, the others change nothing. Compiled
     blocks keep the policy of their tracing."""
     import contextlib  # noqa: PLC0415
 
@@ -85,7 +85,7 @@ def provider_settings(provider: str):
         return contextlib.nullcontext()
     from cudnorm import _settings  # noqa: PLC0415
 
-    return _settings.replaced(policy="cudnn")
+    return _settings.config(policy="cudnn")
 
 
 # (norm, provider) -> factory(hidden, eps): the module computing what PyTorch's own computes

@@ -54,7 +54,7 @@ from .._progress import progress
 
 COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
            "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
-# Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (CUDNORM_POLICY=cudnn),
+# Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (policy="cudnn"),
 # the evidence for the default policy's choices (cudnorm._policy); torch-again, PyTorch's
 # norms in a second model instance, whose ratio to torch is the run's noise floor
 PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "torch-again")

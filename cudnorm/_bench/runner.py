@@ -213,9 +213,8 @@ def measure(provider: Provider, op: str, inp: Inputs, expected: dict, limits: di
     fn = outputs = None
     # the op table compares kernels: cudnorm's row is its cuDNN path at every size (the
     # default policy hands small calls to PyTorch's op, which the torch row already times)
-    cudnn_path = _settings.replaced(policy="cudnn") if provider.name == "cudnorm" else contextlib.nullcontext()
     try:
-        with cudnn_path:
+        with _settings.config(policy="cudnn") if provider.name == "cudnorm" else contextlib.nullcontext():
             fn, outputs = provider.setup(op, inp)
             errs = accuracy.errors(outputs, quantities(op), expected)
             outputs = None

@@ -28,8 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# a private plan store for this notebook, set before cudnorm is imported (it reads the
-# CUDNORM_PLAN_STORE_* variables at import); subprocesses inherit it
+# a private plan store for this notebook, set before cudnorm is imported: the variable seeds
+# cudnorm's configuration (`cudnorm.config(plan_store_dir=...)` would change this process
+# only), and the fresh processes started below inherit it
 workdir = Path(tempfile.mkdtemp(prefix="cudnorm-warmup-"))
 os.environ["CUDNORM_PLAN_STORE_DIR"] = str(workdir / "plans")
 

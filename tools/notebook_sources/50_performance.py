@@ -86,7 +86,7 @@ for png in committed:
 # `benchmarks/variable_rows.py` runs one LayerNorm training step (N = 4096) for each of 100
 # random row counts: with an exact graph per count (`exact`), with the defaults (the first
 # count exact, later ones on shared chunk graphs: `chunked`) and with chunk graphs only
-# (`CUDNORM_EXACT_ROWS=0`: `chunks`). Chunking builds 5-7 graphs instead of 200; the price
+# (`cudnorm.config(exact_rows=0)`: `chunks`). Chunking builds 5-7 graphs instead of 200; the price
 # is a slower steady state, because each chunk is one more launch and these calls are
 # host-bound (see the docs, Concepts, "Variable row counts").
 
