@@ -9,11 +9,16 @@ Swapped:
   :class:`cudnorm.RMSNorm` (exact classes: a subclass may change the forward);
 * transformers' Llama-family RMSNorms (:data:`LLAMA_STYLE_RMS_NORMS`: ``weight *
   normalized(x).to(x.dtype)``) -> :class:`LlamaStyleRMSNorm`, which keeps their output dtype
-  (the promotion of the weight's and the input's) and their ``variance_epsilon`` attribute.
+  (the promotion of the weight's and the input's) and their ``variance_epsilon`` attribute;
+* diffusers' AdaLN classes (``AdaLayerNorm``, ``AdaLayerNormContinuous``, ``AdaLayerNormZero``,
+  ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``; exact classes) -> the class of that
+  name in :mod:`cudnorm.diffusers`, holding the original's own linear, embedding and norm
+  parameters (:func:`cudnorm.diffusers.from_diffusers`). The modules inside a swapped module
+  belong to the new one and are not visited again.
 
 Left, with the reason: Gemma's RMSNorm (``x_hat * (1 + weight)``: cudnorm has no weight
-offset yet), T5's LayerNorm (its output takes the weight's dtype), diffusers' norm classes
-(not yet mapped) and any other class.
+offset yet), T5's LayerNorm (its output takes the weight's dtype), diffusers' other norm
+classes and any other class.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .diffusers import from_diffusers
 from .modules import LayerNorm, RMSNorm
 
 # transformers classes whose forward is Llama's: fp32 rstd, x_hat cast to x's dtype, times weight
@@ -76,12 +82,14 @@ class PatchReport:
 def _label(kind: type) -> str:
     """``torch.nn.LayerNorm``, ``cudnorm.RMSNorm``, ``transformers.LlamaRMSNorm``."""
     home = kind.__module__
+    if home == "cudnorm.diffusers":  # not cudnorm.AdaLayerNormZero, which is another class
+        return f"{home}.{kind.__name__}"
     return f"torch.nn.{kind.__name__}" if home.startswith("torch.nn") else f"{home.split('.')[0]}.{kind.__name__}"
 
 
 def _is_norm_like(module: torch.nn.Module) -> bool:
     name = type(module).__name__
-    return "Norm" in name and not isinstance(module, (LayerNorm, RMSNorm))
+    return "Norm" in name and not type(module).__module__.startswith("cudnorm")
 
 
 def _why_left(module: torch.nn.Module) -> str:
@@ -90,7 +98,7 @@ def _why_left(module: torch.nn.Module) -> str:
         if name.startswith(prefix):
             return why
     if type(module).__module__.startswith("diffusers"):
-        return "diffusers' norm classes are not mapped yet"
+        return "no cudnorm counterpart for this diffusers class (or an unexpected layout of it)"
     return "not a class cudnorm knows to compute the same function"
 
 
@@ -113,7 +121,7 @@ def _replacement(module: torch.nn.Module) -> torch.nn.Module | None:
         new = LlamaStyleRMSNorm(weight.shape[0], eps=module.variance_epsilon, device="meta")
         new.weight = weight
         return new
-    return None
+    return from_diffusers(module)
 
 
 def patch(model: torch.nn.Module) -> PatchReport:
@@ -134,8 +142,10 @@ def patch(model: torch.nn.Module) -> PatchReport:
     if _replacement(model) is not None:
         raise ValueError(f"cudnorm.patch: argument 'model' is itself a norm ({type(model).__name__}); "
                          "use the cudnorm module directly")
-    report, made = PatchReport(), {}
+    report, made, inside = PatchReport(), {}, None
     for name, module in list(model.named_modules(remove_duplicate=False)):
+        if inside is not None and name.startswith(inside):
+            continue  # a child of a swapped module: the new module holds it as it needs it
         if id(module) not in made:
             made[id(module)] = _replacement(module)
             if made[id(module)] is None and _is_norm_like(module):
@@ -147,4 +157,5 @@ def patch(model: torch.nn.Module) -> PatchReport:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
         report.swapped.append((name, _label(type(module)), _label(type(new))))
+        inside = name + "."
     return report

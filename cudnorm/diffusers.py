@@ -1,0 +1,513 @@
+"""diffusers-compatible adaptive LayerNorm modules running cudnorm's ops.
+
+Each class here has the constructor (positional order, defaults), the submodule and parameter
+names (so ``state_dict`` keys), the forward signature and the returned tuple of the
+diffusers 0.42 class of the same name, so a pretrained checkpoint loads with
+``strict=True`` and model code written for diffusers runs unchanged:
+
+* :class:`AdaLayerNormZero` (DiT with its timestep/class embedding ``emb``; SD3/Flux/AuraFlow
+  with a given ``emb``), :class:`AdaLayerNormZeroSingle` (Flux), :class:`SD35AdaLayerNormZeroX`,
+* :class:`AdaLayerNormContinuous` (``layer_norm`` and ``rms_norm``),
+* :class:`AdaLayerNorm` (diffusers' class of that name, with its own linear layer; not
+  :class:`cudnorm.AdaLayerNorm`, which has no parameters).
+
+What runs: a LayerNorm followed by ``* (1 + scale) + shift`` with per-sample ``scale``/``shift``
+is one :func:`cudnorm.ada_layer_norm` call; an affine LayerNorm's weight and bias are folded
+into the per-sample gain and shift first (``[B, D]`` work), so it is still one call; a shared
+``[D]`` scale/shift (diffusers' ``AdaLayerNorm`` with ``chunk_dim=0``) is one
+:func:`cudnorm.layer_norm` call with the folded weight and bias. The RMSNorm variant runs
+:func:`cudnorm.rms_norm` and modulates in PyTorch (cuDNN has no adaptive RMSNorm). Any other
+broadcast of the modulation (a batch of one against many samples, say) runs diffusers'
+formula as written, with the norm on cudnorm.
+
+Dtypes follow diffusers: the result takes the promotion of ``x``'s and the modulation's
+dtypes (bf16 ``x`` with an fp32 module gives fp32, fp32 ``x`` with a bf16 module gives
+fp32). The conditioning is cast to the linear layer's dtype before it: diffusers'
+``AdaLayerNormContinuous`` casts it to ``x``'s dtype and ``AdaLayerNormZero`` not at all,
+and both give the same numbers wherever diffusers' call runs; the cast lets a bf16 module
+take fp32 conditioning as well.
+
+This module never imports diffusers. :func:`from_diffusers` (used by :func:`cudnorm.patch`)
+turns a diffusers module into the matching class here, holding the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from . import _checks
+from .ada_layer_norm import ada_layer_norm
+from .layer_norm import layer_norm
+from .modules import LayerNorm, RMSNorm
+from .rms_norm import rms_norm
+
+__all__ = [
+    "AdaLayerNorm",
+    "AdaLayerNormContinuous",
+    "AdaLayerNormZero",
+    "AdaLayerNormZeroSingle",
+    "SD35AdaLayerNormZeroX",
+    "from_diffusers",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _fail(exc_type, cls: str, arg: str, message: str):
+    _checks._fail(exc_type, f"diffusers.{cls}", arg, message)
+
+
+def _int(cls: str, arg: str, value, *, minimum: int = 1, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(TypeError, cls, arg, f"must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if value < minimum:
+        _fail(ValueError, cls, arg, f"must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _eps(cls: str, arg: str, value) -> float:
+    """As :func:`cudnorm._checks.check_eps`, naming the argument (``eps`` or ``norm_eps``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(TypeError, cls, arg, f"must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        _fail(ValueError, cls, arg, f"must be finite and >= 0, got {value}")
+    return float(value)
+
+
+def _flag(cls: str, arg: str, value) -> bool:
+    """A bool; ``None`` and ints are read by truth value, as ``nn.Linear``'s ``bias`` reads
+    them (diffusers' ``BasicTransformerBlock`` passes ``ada_norm_bias=None`` as ``bias``)."""
+    if value is not None and not isinstance(value, numbers.Integral):
+        _fail(TypeError, cls, arg, f"must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _choice(cls: str, arg: str, value, choices) -> str:
+    if not isinstance(value, str):
+        _fail(TypeError, cls, arg, f"must be a str, got {type(value).__name__}")
+    if value not in choices:
+        _fail(ValueError, cls, arg, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _tensor(cls: str, arg: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(TypeError, cls, arg, f"must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _input(cls: str, arg: str, value) -> torch.Tensor:
+    return _checks.check_tensor(f"diffusers.{cls}", arg, value, dtypes=_checks.INPUT_DTYPES)
+
+
+# ---------------------------------------------------------------- the math
+
+def _project(cls: str, arg: str, linear: torch.nn.Module, silu: torch.nn.Module, emb) -> torch.Tensor:
+    """``linear(silu(emb))``, ``emb [B, C]`` (the forward's argument ``arg``) cast to the
+    linear's dtype after the SiLU (a no-op wherever diffusers' own call runs, and under
+    autocast the linear casts again)."""
+    h = silu(_input(cls, arg, emb))
+    weight = getattr(linear, "weight", None)  # a quantized linear keeps its own input rule
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    return linear(h)
+
+
+def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+                          weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' ``layer_norm(x, weight, bias) * (1 + scale) + shift`` over the last dim.
+
+    ``scale``/``shift`` come indexed as diffusers broadcasts them: ``[B, 1, D]`` per sample
+    for ``x [B, S, D]``, or ``[D]`` shared. Per-sample pairs run one :func:`ada_layer_norm`,
+    shared pairs one :func:`layer_norm`; an affine weight/bias is folded into the gain and
+    shift first: ``(xhat * w + b) * (1 + s) + t == xhat * (w * (1 + s)) + (b * (1 + s) + t)``.
+    Returns the promotion of ``x``'s and the modulation's dtypes, as diffusers' formula does.
+    """
+    d = x.shape[-1]
+    per_sample = (scale.dim() == x.dim() >= 2 and scale.shape == shift.shape and scale.shape[0] == x.shape[0]
+                  and scale.shape[-1] == d and scale.numel() == x.shape[0] * d)
+    shared = scale.dim() == shift.dim() == 1 and scale.shape[0] == shift.shape[0] == d
+    if not (per_sample or shared):  # any other broadcast: the formula as written
+        return layer_norm(x, d, weight, bias, eps) * (1 + scale) + shift
+    dtype = torch.promote_types(x.dtype, torch.promote_types(scale.dtype, shift.dtype))
+    x = x.to(dtype)
+    if per_sample and weight is None and bias is None:
+        return ada_layer_norm(x, scale.to(dtype), shift.to(dtype), eps, one_plus_scale=True)
+    # fold in fp32 (or fp64): [B, D] or [D] elements, each folded value rounded once to x's
+    # dtype, as the op rounds its own 1 + scale (and so the default policy may hand small or
+    # compiled calls to PyTorch's ops, which it does only for parameters of x's dtype)
+    wide = torch.promote_types(dtype, torch.float32)
+    gain = 1 + scale.to(wide)
+    shift = shift.to(wide) if bias is None else shift.to(wide) + bias.to(wide) * gain
+    gain = gain if weight is None else gain * weight.to(wide)
+    gain, shift = gain.to(dtype), shift.to(dtype)
+    if per_sample:
+        return ada_layer_norm(x, gain, shift, eps)
+    return layer_norm(x, d, gain, shift, eps)
+
+
+def _modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, norm: torch.nn.RMSNorm
+                        ) -> torch.Tensor:
+    """diffusers' ``RMSNorm(x) * (1 + scale) + shift``: the norm on :func:`rms_norm`, the
+    modulation in PyTorch. diffusers' RMSNorm returns ``x``'s dtype without a weight, the
+    weight's dtype with a half-precision weight, and fp32 (or wider) with an fp32 weight
+    (the fp32 statistics are not rounded to a bf16 ``x``'s dtype); so does this."""
+    weight, d = norm.weight, x.shape[-1]
+    if weight is None or weight.dtype is x.dtype:
+        y = rms_norm(x, d, weight, norm.eps)
+    else:
+        wide = torch.promote_types(x.dtype, weight.dtype)
+        y = rms_norm(x.to(wide), d, weight.to(wide), norm.eps)
+        y = y.to(weight.dtype) if weight.dtype in _HALF else y
+    return y * (1 + scale) + shift
+
+
+# ---------------------------------------------------------------- DiT's conditioning embedding
+
+def _timestep_features(timestep: torch.Tensor, channels: int = 256) -> torch.Tensor:
+    """DiT's sinusoidal timestep features, ``[B] -> [B, channels]`` fp32, cosines first
+    (diffusers' ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1)``)."""
+    half = channels // 2
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=timestep.device)
+    angles = timestep[:, None].float() * torch.exp(exponent / (half - 1))[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+class _LabelEmbedding(torch.nn.Module):
+    """Class-label embedding with DiT's label dropout for classifier-free guidance: in
+    training, each label becomes the extra "null" class ``num_classes`` with probability
+    ``dropout_prob`` (one ``torch.rand`` draw per sample, as diffusers' ``LabelEmbedding``)."""
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float) -> None:
+        super().__init__()
+        self.embedding_table = torch.nn.Embedding(num_classes + (dropout_prob > 0), hidden_size)
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        """``labels [B]`` int64 -> ``[B, hidden_size]`` in the table's dtype."""
+        if self.training and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+            labels = torch.where(drop, self.num_classes, labels)
+        return self.embedding_table(labels)
+
+
+class _TimestepLabelEmbedding(torch.nn.Module):
+    """DiT's conditioning: an MLP of the timestep's sinusoidal features plus the class
+    embedding. Parameter names are those of diffusers' ``CombinedTimestepLabelEmbeddings``
+    (``timestep_embedder.linear_1/linear_2``, ``class_embedder.embedding_table``)."""
+
+    def __init__(self, num_classes: int, embedding_dim: int, class_dropout_prob: float = 0.1) -> None:
+        super().__init__()
+        self.timestep_embedder = torch.nn.Sequential()
+        self.timestep_embedder.add_module("linear_1", torch.nn.Linear(256, embedding_dim))
+        self.timestep_embedder.add_module("act", torch.nn.SiLU())
+        self.timestep_embedder.add_module("linear_2", torch.nn.Linear(embedding_dim, embedding_dim))
+        self.class_embedder = _LabelEmbedding(num_classes, embedding_dim, class_dropout_prob)
+
+    def forward(self, timestep: torch.Tensor, class_labels: torch.Tensor,
+                hidden_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``timestep [B]`` (int or float), ``class_labels [B]`` int64 -> ``[B, D]``. The
+        features enter the MLP in ``hidden_dtype`` (default: the MLP's dtype)."""
+        cls = "AdaLayerNormZero"
+        if _tensor(cls, "timestep", timestep).dim() != 1:
+            _fail(ValueError, cls, "timestep", f"must be 1-D (one timestep per sample), got shape {tuple(timestep.shape)}")
+        _tensor(cls, "class_labels", class_labels)
+        if hidden_dtype is not None and not isinstance(hidden_dtype, torch.dtype):
+            _fail(TypeError, cls, "hidden_dtype", f"must be a torch.dtype or None, got {type(hidden_dtype).__name__}")
+        dtype = self.timestep_embedder.linear_1.weight.dtype if hidden_dtype is None else hidden_dtype
+        return self.timestep_embedder(_timestep_features(timestep).to(dtype)) + self.class_embedder(class_labels)
+
+
+# ---------------------------------------------------------------- adaLN-Zero family
+
+class _AdaLayerNormZeroBase(torch.nn.Module):
+    """``emb -> SiLU -> Linear(D, chunks * D)`` and a non-affine LayerNorm ``norm``; the
+    subclasses chunk the projection and modulate with it."""
+
+    _CHUNKS = 0
+    _EPS = {"layer_norm": 1e-6}  # norm_type -> the eps diffusers' norm of that type uses
+
+    def __init__(self, embedding_dim: int, norm_type: str, bias: bool, emb: torch.nn.Module | None = None) -> None:
+        name = type(self).__name__
+        dim = _int(name, "embedding_dim", embedding_dim)
+        eps = self._EPS[_choice(name, "norm_type", norm_type, tuple(self._EPS))]
+        bias = _flag(name, "bias", bias)
+        super().__init__()
+        if emb is not None:
+            self.emb = emb  # registered first: diffusers' key order
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(dim, self._CHUNKS * dim, bias=bias)
+        self.norm = LayerNorm(dim, eps=eps, elementwise_affine=False)
+
+    def _chunks(self, x, emb, x_arg: str = "x") -> tuple[torch.Tensor, ...]:
+        name = type(self).__name__
+        _input(name, x_arg, x)
+        return _project(name, "emb", self.linear, self.silu, emb).chunk(self._CHUNKS, dim=1)
+
+    def _modulate(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        return _modulated_layer_norm(x, scale[:, None], shift[:, None], norm.eps, norm.weight, norm.bias)
+
+
+class AdaLayerNormZero(_AdaLayerNormZeroBase):
+    """diffusers' ``AdaLayerNormZero`` (adaLN-Zero of DiT, SD3, Flux, AuraFlow) on
+    :func:`cudnorm.ada_layer_norm`.
+
+    ``AdaLayerNormZero(embedding_dim, num_embeddings=None, norm_type="layer_norm", bias=True)``:
+
+    * ``num_embeddings`` (DiT): the module embeds the conditioning itself: ``emb`` is DiT's
+      timestep MLP plus a class embedding of ``num_embeddings`` classes (+1 null class for
+      label dropout), with diffusers' parameter names;
+    * ``norm_type``: ``"layer_norm"`` (eps 1e-6) or ``"fp32_layer_norm"`` (eps 1e-5; the
+      LayerNorm in fp32, which cudnorm's op does for every dtype);
+    * ``bias``: whether ``linear`` has a bias.
+
+    ``forward(x, timestep=None, class_labels=None, hidden_dtype=None, emb=None)``: ``x``
+    ``[B, S, D]``; with ``num_embeddings``, ``timestep [B]`` and ``class_labels [B]`` (int64)
+    and ``hidden_dtype`` (the dtype the timestep features enter the MLP in), otherwise
+    ``emb [B, D]``. Returns ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp,
+    scale_mlp, gate_mlp)``, the first ``[B, S, D]``, the others ``[B, D]`` in the linear's
+    dtype. The first is one fused op.
+    """
+
+    _CHUNKS = 6
+    _EPS = {"layer_norm": 1e-6, "fp32_layer_norm": 1e-5}
+
+    def __init__(self, embedding_dim: int, num_embeddings: int | None = None, norm_type: str = "layer_norm",
+                 bias: bool = True) -> None:
+        dim = _int("AdaLayerNormZero", "embedding_dim", embedding_dim)
+        classes = _int("AdaLayerNormZero", "num_embeddings", num_embeddings, optional=True)
+        emb = None if classes is None else _TimestepLabelEmbedding(classes, dim)
+        super().__init__(dim, norm_type, bias, emb)
+        if emb is None:
+            self.emb = None
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor | None = None, class_labels: torch.Tensor | None = None,
+                hidden_dtype: torch.dtype | None = None, emb: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(modulated x [B, S, D], gate_msa, shift_mlp, scale_mlp, gate_mlp)`` (see the class)."""
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self._chunks(x, emb)
+        return self._modulate(x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class AdaLayerNormZeroSingle(_AdaLayerNormZeroBase):
+    """diffusers' ``AdaLayerNormZeroSingle`` (Flux's single-stream blocks) on
+    :func:`cudnorm.ada_layer_norm`.
+
+    ``AdaLayerNormZeroSingle(embedding_dim, norm_type="layer_norm", bias=True)``;
+    ``forward(x, emb=None)`` with ``x [B, S, D]``, ``emb [B, D]`` returns
+    ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa)`` (one fused op; ``gate_msa [B, D]``).
+    """
+
+    _CHUNKS = 3
+
+    def __init__(self, embedding_dim: int, norm_type: str = "layer_norm", bias: bool = True) -> None:
+        super().__init__(embedding_dim, norm_type, bias)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(modulated x [B, S, D], gate_msa [B, D])``."""
+        shift_msa, scale_msa, gate_msa = self._chunks(x, emb)
+        return self._modulate(x, scale_msa, shift_msa), gate_msa
+
+
+class SD35AdaLayerNormZeroX(_AdaLayerNormZeroBase):
+    """diffusers' ``SD35AdaLayerNormZeroX`` (SD 3.5's dual-attention blocks) on
+    :func:`cudnorm.ada_layer_norm`.
+
+    ``SD35AdaLayerNormZeroX(embedding_dim, norm_type="layer_norm", bias=True)``;
+    ``forward(hidden_states, emb=None)`` with ``hidden_states [B, S, D]``, ``emb [B, D]``
+    returns ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp,
+    gate_mlp, norm(x) * (1 + scale_msa2) + shift_msa2, gate_msa2)``. The two modulated
+    outputs are two fused calls, each reading ``x`` once and writing its output once.
+    """
+
+    _CHUNKS = 9
+
+    def __init__(self, embedding_dim: int, norm_type: str = "layer_norm", bias: bool = True) -> None:
+        super().__init__(embedding_dim, norm_type, bias)
+
+    def forward(self, hidden_states: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``(modulated [B, S, D], gate_msa, shift_mlp, scale_mlp, gate_mlp, modulated2 [B, S, D],
+        gate_msa2)``, the gates/shifts/scales ``[B, D]``."""
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+         shift_msa2, scale_msa2, gate_msa2) = self._chunks(hidden_states, emb, "hidden_states")
+        return (self._modulate(hidden_states, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+                self._modulate(hidden_states, scale_msa2, shift_msa2), gate_msa2)
+
+
+# ---------------------------------------------------------------- continuous and plain AdaLN
+
+class AdaLayerNormContinuous(torch.nn.Module):
+    """diffusers' ``AdaLayerNormContinuous`` (the output norm of SD3, Flux and most DiTs).
+
+    ``AdaLayerNormContinuous(embedding_dim, conditioning_embedding_dim, elementwise_affine=True,
+    eps=1e-5, bias=True, norm_type="layer_norm")`` (diffusers' defaults; the models pass
+    ``elementwise_affine=False, eps=1e-6``): ``linear`` is ``Linear(conditioning_embedding_dim,
+    2 * embedding_dim, bias=bias)``; ``norm`` is a LayerNorm (``norm.weight``/``norm.bias``
+    with ``elementwise_affine``, the bias only with ``bias``) or, with ``norm_type="rms_norm"``,
+    an RMSNorm (``norm.weight`` with ``elementwise_affine``).
+
+    ``forward(x, conditioning_embedding)``: ``x [B, S, D]``, ``conditioning_embedding [B, C]``
+    -> ``norm(x) * (1 + scale) + shift`` with ``(scale, shift)`` the two halves of the
+    projection. ``layer_norm``: one :func:`cudnorm.ada_layer_norm` call, the affine weight
+    and bias folded into the per-sample gain and shift. ``rms_norm``: :func:`cudnorm.rms_norm`,
+    then the modulation in PyTorch, with diffusers' RMSNorm output dtype.
+    """
+
+    def __init__(self, embedding_dim: int, conditioning_embedding_dim: int, elementwise_affine: bool = True,
+                 eps: float = 1e-5, bias: bool = True, norm_type: str = "layer_norm") -> None:
+        name = "AdaLayerNormContinuous"
+        dim = _int(name, "embedding_dim", embedding_dim)
+        cond_dim = _int(name, "conditioning_embedding_dim", conditioning_embedding_dim)
+        affine = _flag(name, "elementwise_affine", elementwise_affine)
+        eps = _eps(name, "eps", eps)
+        bias = _flag(name, "bias", bias)
+        rms = _choice(name, "norm_type", norm_type, ("layer_norm", "rms_norm")) == "rms_norm"
+        super().__init__()
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(cond_dim, 2 * dim, bias=bias)
+        if rms:
+            self.norm = RMSNorm(dim, eps=eps, elementwise_affine=affine)
+        else:
+            self.norm = LayerNorm(dim, eps=eps, elementwise_affine=affine, bias=bias)
+
+    def forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+        """``x [B, S, D]``, ``conditioning_embedding [B, C]`` -> ``[B, S, D]`` (see the class)."""
+        _input("AdaLayerNormContinuous", "x", x)
+        scale, shift = _project("AdaLayerNormContinuous", "conditioning_embedding", self.linear, self.silu,
+                                conditioning_embedding).chunk(2, dim=1)
+        norm = self.norm
+        if isinstance(norm, torch.nn.RMSNorm):
+            return _modulated_rms_norm(x, scale[:, None, :], shift[:, None, :], norm)
+        return _modulated_layer_norm(x, scale[:, None, :], shift[:, None, :], norm.eps, norm.weight, norm.bias)
+
+
+class AdaLayerNorm(torch.nn.Module):
+    """diffusers' ``AdaLayerNorm``: a LayerNorm modulated by a projected timestep embedding
+    (UniDiffuser, CogVideoX, OmniGen, ...). Not :class:`cudnorm.AdaLayerNorm`, which takes
+    ``shift``/``scale`` from the caller.
+
+    ``AdaLayerNorm(embedding_dim, num_embeddings=None, output_dim=None,
+    norm_elementwise_affine=False, norm_eps=1e-5, chunk_dim=0)``: ``emb`` is
+    ``Embedding(num_embeddings, embedding_dim)`` when ``num_embeddings`` is given; ``linear``
+    is ``Linear(embedding_dim, output_dim)`` (default ``2 * embedding_dim``); ``norm`` is a
+    LayerNorm over ``output_dim // 2`` features.
+
+    ``forward(x, timestep=None, temb=None)``: ``temb = linear(silu(emb(timestep)))`` (or of
+    the given ``temb``). ``chunk_dim=1``: ``temb [B, output_dim]`` splits into ``(shift,
+    scale)``, per sample, and the result is one :func:`cudnorm.ada_layer_norm` call.
+    ``chunk_dim=0`` (diffusers' default): ``temb`` splits along its first dim into ``(scale,
+    shift)``: from a single timestep, ``[D]`` each, shared by every sample, and the result is
+    one :func:`cudnorm.layer_norm` call. An affine ``norm``'s weight and bias are folded in.
+    Returns ``norm(x) * (1 + scale) + shift`` of ``x``'s shape.
+    """
+
+    def __init__(self, embedding_dim: int, num_embeddings: int | None = None, output_dim: int | None = None,
+                 norm_elementwise_affine: bool = False, norm_eps: float = 1e-5, chunk_dim: int = 0) -> None:
+        name = "AdaLayerNorm"
+        dim = _int(name, "embedding_dim", embedding_dim)
+        classes = _int(name, "num_embeddings", num_embeddings, optional=True)
+        output_dim = _int(name, "output_dim", output_dim, optional=True) or 2 * dim
+        if output_dim % 2:
+            _fail(ValueError, name, "output_dim", f"must be even (it holds scale and shift), got {output_dim}")
+        affine = _flag(name, "norm_elementwise_affine", norm_elementwise_affine)
+        eps = _eps(name, "norm_eps", norm_eps)
+        if _int(name, "chunk_dim", chunk_dim, minimum=0) > 1:
+            _fail(ValueError, name, "chunk_dim", f"must be 0 or 1, got {chunk_dim}")
+        super().__init__()
+        self.chunk_dim = int(chunk_dim)
+        self.emb = None if classes is None else torch.nn.Embedding(classes, dim)
+        self.silu = torch.nn.SiLU()
+        self.linear = torch.nn.Linear(dim, output_dim)
+        self.norm = LayerNorm(output_dim // 2, eps=eps, elementwise_affine=affine)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor | None = None, temb: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``norm(x) * (1 + scale) + shift`` (see the class for the shapes)."""
+        _input("AdaLayerNorm", "x", x)
+        if self.emb is not None:
+            temb = self.emb(_tensor("AdaLayerNorm", "timestep", timestep))
+        temb = _project("AdaLayerNorm", "temb", self.linear, self.silu, temb)
+        if self.chunk_dim == 1:
+            shift, scale = temb.chunk(2, dim=1)
+            scale, shift = scale[:, None, :], shift[:, None, :]
+        else:
+            scale, shift = temb.chunk(2, dim=0)
+        norm = self.norm
+        return _modulated_layer_norm(x, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+# ---------------------------------------------------------------- from a diffusers module
+
+_MIRRORS = {cls.__name__: cls for cls in (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero,
+                                          AdaLayerNormZeroSingle, SD35AdaLayerNormZeroX)}
+_CHILDREN = {"emb", "silu", "linear", "norm"}
+
+
+def _cudnorm_norm(norm) -> torch.nn.Module | None:
+    """cudnorm's LayerNorm/RMSNorm holding the parameters (the same objects) of diffusers'
+    ``nn.LayerNorm``, non-affine ``FP32LayerNorm`` or ``RMSNorm`` without a bias; or None."""
+    name = type(norm).__name__
+    if (isinstance(norm, torch.nn.LayerNorm) and len(norm.normalized_shape) == 1
+            and (name == "LayerNorm" or (name == "FP32LayerNorm" and norm.weight is None))):
+        new = LayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
+                        bias=norm.bias is not None, device="meta")
+        new.weight, new.bias = norm.weight, norm.bias
+        return new
+    if (name == "RMSNorm" and type(norm).__module__.startswith("diffusers.") and getattr(norm, "bias", None) is None
+            and len(getattr(norm, "dim", ())) == 1 and isinstance(getattr(norm, "eps", None), float)):
+        new = RMSNorm(norm.dim, eps=norm.eps, elementwise_affine=norm.weight is not None, device="meta")
+        new.weight = norm.weight
+        return new
+    return None
+
+
+def from_diffusers(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module of this file that computes what diffusers' ``module`` computes, or ``None``.
+
+    Args:
+        module: an instance of diffusers' ``AdaLayerNorm``, ``AdaLayerNormContinuous``,
+            ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle`` or ``SD35AdaLayerNormZeroX``
+            (exact classes: a subclass may change the forward).
+
+    Returns:
+        The new module holds ``module``'s own ``linear``, ``silu`` and ``emb`` submodules
+        (LoRA layers and hooks on them keep working) and a cudnorm norm holding the norm's
+        parameters, so its ``state_dict`` has the same keys, order and tensors. ``None`` for
+        any other module, or one whose children or norm are not what the class builds.
+    """
+    kind = type(module)
+    cls = _MIRRORS.get(kind.__name__) if kind.__module__.startswith("diffusers.") else None
+    children = dict(module.named_children()) if cls is not None else {}
+    norm = _cudnorm_norm(children.get("norm"))
+    if norm is None or not set(children) <= _CHILDREN or not isinstance(children.get("linear"), torch.nn.Module):
+        return None
+    if cls is AdaLayerNorm and getattr(module, "chunk_dim", None) not in (0, 1):
+        return None
+    has_emb = 1 if children.get("emb") is not None else None
+    with torch.device("meta"):  # sizes only: every parameter is replaced by module's own
+        dim = norm.normalized_shape[0]
+        if cls is AdaLayerNormContinuous:
+            new = cls(dim, 1)
+        elif cls in (AdaLayerNormZero, AdaLayerNorm):
+            new = cls(dim, has_emb)
+        else:
+            new = cls(dim)
+    for name, child in children.items():
+        setattr(new, name, norm if name == "norm" else child)
+    if cls is AdaLayerNorm:
+        new.chunk_dim = module.chunk_dim
+    mine, theirs = new.state_dict(keep_vars=True), module.state_dict(keep_vars=True)
+    if list(mine) != list(theirs) or any(mine[k] is not theirs[k] for k in mine):
+        return None
+    new.training = module.training  # not .train(): the children are module's own, left as they are
+    return new
