@@ -49,6 +49,16 @@ class PlanCache:
         self._lock = threading.Lock()
         self._building: dict[NormSpec, threading.Lock] = {}
         self._info = CacheInfo(capacity=capacity)
+        self._evict_listeners: list = []
+
+    def on_evict(self, listener) -> None:
+        """Call ``listener()`` after entries are evicted, so that whatever else holds plans
+        (the call signature memos) lets them go too: the capacity bounds the plans alive."""
+        self._evict_listeners.append(listener)
+
+    def _evicted(self) -> None:
+        for listener in self._evict_listeners:
+            listener()
 
     def lookup(self, spec: NormSpec):
         """The cached value for ``spec`` (counted as a hit) or ``None``."""
@@ -90,9 +100,18 @@ class PlanCache:
         with self._lock:
             self._entries[spec] = value
             self._entries.move_to_end(spec)
-            while len(self._entries) > self._info.capacity:
-                self._entries.popitem(last=False)
-                self._info.evictions += 1
+            evicted = self._trim()
+        if evicted:
+            self._evicted()
+
+    def _trim(self) -> int:
+        """Evict least recently used entries down to the capacity (under the lock)."""
+        evicted = 0
+        while len(self._entries) > self._info.capacity:
+            self._entries.popitem(last=False)
+            evicted += 1
+        self._info.evictions += evicted
+        return evicted
 
     def record_build(self, seconds: float, *, from_store: bool = False, declined: bool = False) -> None:
         with self._lock:
@@ -132,9 +151,9 @@ class PlanCache:
             raise ValueError(f"cudnorm: cache capacity must be >= 1, got {capacity}")
         with self._lock:
             self._info.capacity = capacity
-            while len(self._entries) > capacity:
-                self._entries.popitem(last=False)
-                self._info.evictions += 1
+            evicted = self._trim()
+        if evicted:
+            self._evicted()
 
 
 plans = PlanCache(_settings.current.cache_size)

@@ -10,8 +10,9 @@ records what it found and later calls check one dictionary. Only exact plans are
 keeps the row policy's counters and the fallback warnings as they are. A recorded call still
 checks the one thing its signature does not fix, the 16-byte alignment of ``x``'s address.
 
-Every memo (:class:`SignatureMemo`) is emptied by ``cudnorm.clear_cache()`` and whenever the
-settings are reloaded, and is bypassed while ``cudnorm.record_specs()`` is recording (every
+Every memo (:class:`SignatureMemo`) is emptied by ``cudnorm.clear_cache()``, whenever the plan
+cache evicts (a memo must not keep an evicted plan, and its memory, alive) and whenever the
+settings change, and is bypassed while ``cudnorm.record_specs()`` is recording (every
 spec must be seen then).
 """
 
@@ -75,6 +76,9 @@ def rows_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype) ->
 
 
 def forget() -> None:
-    """Empty every memo (``cudnorm.clear_cache()`` calls this)."""
+    """Empty every memo (``cudnorm.clear_cache()`` and the plan cache's evictions call this)."""
     for memo in _memos:
         memo.entries.clear()
+
+
+_cache.plans.on_evict(forget)

@@ -233,6 +233,11 @@ def release_workspaces() -> None:
         state.rounding.clear()
 
 
+def release_handles() -> None:
+    """Drop this thread's cuDNN handles (at interpreter exit; a later call makes new ones)."""
+    _handles.by_device.clear()
+
+
 def device_fingerprint(device_index: int) -> dict:
     """Everything that makes a built plan valid on a device (used by the plan store)."""
     status = cudnn_status()

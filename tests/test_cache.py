@@ -45,6 +45,31 @@ def test_lru_evicts_least_recently_used_and_counts():
         cache.resize(0)
 
 
+def test_eviction_releases_the_plans_the_call_memos_hold():
+    """A call-signature memo holding an evicted plan would keep the plan, and its host and GPU
+    memory, alive past the cache's capacity; evictions (by a build or a resize) empty the memos."""
+    from cudnorm import _call_plans
+
+    cache = _cache.PlanCache(capacity=1)
+    notified = []
+    cache.on_evict(lambda: notified.append(1))
+    cache.put(_spec(1), "plan1")
+    assert not notified
+    cache.put(_spec(2), "plan2")
+    assert notified == [1]
+    cache.resize(1)  # nothing to evict
+    assert notified == [1]
+
+    memo = _call_plans._norm_calls
+    with cudnorm.config(cache_size=1):
+        _cache.plans.put(_spec(7), "a")
+        memo.put(("signature",), "a")
+        assert memo.get(("signature",)) == "a"
+        _cache.plans.put(_spec(8), "b")  # evicts "a"
+        assert memo.get(("signature",)) is None
+    cudnorm.clear_cache()
+
+
 def test_concurrent_misses_build_once():
     cache = _cache.PlanCache(capacity=8)
     calls = []
