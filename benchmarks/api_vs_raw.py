@@ -70,7 +70,9 @@ def raw_callable(plan):
     h = _runtime.handle(0)
     public = lambda: plan.graph.execute(buffers, ws, handle=h, tensor_uids=plan.uids)  # noqa: E731
     # cudnorm's own launcher (the frontend's C++ graph by pointer array), when the plan has one
-    pointers = (lambda: plan.raw(buffers, ws, h)) if plan.raw is not None else None
+    addresses = [b.data_ptr() for b in buffers]
+    backend = _runtime.launch_context(0, 0)[0].backend
+    pointers = (lambda: plan.raw.launch(addresses, ws, backend)) if plan.raw is not None else None
     return public, pointers
 
 
@@ -252,6 +254,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--parts", default="api,fp32,autotune,host")
     args = parser.parse_args()
+    cudnorm.config(policy="cudnn")  # the default policy hands the small host-overhead calls to PyTorch's ops
     copy = copy_gbps()
     print(f"device {torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  cudnn {cudnorm.info()['cudnn_backend']}")
     rows: list[dict] = []

@@ -22,7 +22,7 @@ for stage in "$@"; do
     notebooks)   timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
     host)        timeout 150 python3 benchmarks/host_profile.py --out "$out" 2>&1 | tee "$out/host.log" | grep -E " us$|device" ;;
     api)         timeout 200 python3 benchmarks/api_vs_raw.py --out "$out" --parts api,host 2>&1 | tee "$out/api.log" | grep -E "test=|device" ;;
-    autotune)    timeout 300 python3 benchmarks/probe_autotune.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
+    autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;

@@ -1,8 +1,10 @@
 """Host time of cudnorm's Python above the plan launch, on any machine (no GPU needed).
 
 A no-op plan is installed for CPU tensors, so every call walks the real checks, memo and
-dispatch code and stops where a GPU call would launch the graph. Lets host-overhead work be
-measured between device sessions; absolute figures are this CPU's, ratios carry over roughly.
+dispatch code of the cuDNN path (``policy="cudnn"``: the default policy would hand these
+small calls to PyTorch's ops) and stops where a GPU call would launch the graph. Lets
+host-overhead work be measured without a GPU; absolute figures are this CPU's, ratios carry
+over roughly.
 
 Run: PYTHONPATH=. python benchmarks/host_cpu_profile.py [--profile]
 """
@@ -34,6 +36,9 @@ class NoOpPlan(_graphs.Plan):
         for b in buffers:
             if b is not None:
                 b.data_ptr()
+
+    def launch(self, pointers):
+        pass  # the ops' hot paths launch by address (Plan.launch)
 
 
 def install_noop_plans():
@@ -87,6 +92,7 @@ def main():
                         help="cProfile one case (default: the first)")
     args = parser.parse_args()
     install_noop_plans()
+    cudnorm.config(policy="cudnn")
     for name, (fn, no_grad) in cases().items():
         with torch.no_grad() if no_grad else torch.enable_grad():
             print(f"{name:34s} {per_call_us(fn):7.2f} us")

@@ -49,13 +49,11 @@ def forward_layers(dtype) -> dict:
     with torch.no_grad():
         cudnorm.layer_norm(x, (N,), w, b)
         plan = _plan("layer_norm", "infer", M)
-        wb = (w.to(torch.bfloat16), b.to(torch.bfloat16))
-        y = torch.empty_like(x)
-        eps = _graphs.host_scalar(1e-5, plan.spec)
-        fixed = (x, *wb, eps, y)
+        fixed = _graphs.dummy_buffers(plan.spec)  # in _graphs.roles order: x, scale, bias, eps, y
+        at_y = _graphs.roles(plan.spec).index("y")
         layers = {
             "raw execute, fixed buffers": _raw(plan, fixed),
-            "raw execute, new output": lambda: _raw(plan, (x, *wb, eps, torch.empty_like(x)))(),
+            "raw execute, new output": lambda: _raw(plan, [*fixed[:at_y], torch.empty_like(x), *fixed[at_y + 1:]])(),
             "Plan.run, fixed buffers": lambda: plan.run(*fixed),
             "layer_norm._infer": lambda: ln_mod._infer(x, w, b, 1e-5),
             "cudnorm.layer_norm": lambda: cudnorm.layer_norm(x, (N,), w, b),
@@ -95,16 +93,15 @@ def backward_layers(rows: int, cols: int, dtype) -> dict:
     b = torch.randn_like(w, requires_grad=True)
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     y = cudnorm.layer_norm(x, (cols,), w, b)
-    _, mean, rstd = ln_mod._forward(x.detach(), w.detach(), b.detach(), 1e-5, True)
+    _, stats = ln_mod._forward(x.detach(), w.detach(), b.detach(), 1e-5, True)  # stats: [mean; rstd]
     yt = F.layer_norm(x, (cols,), w.to(x.dtype), b.to(x.dtype))
-    ln_mod._backward_impl(dy, x.detach(), w.detach(), mean, rstd)
+    ln_mod._backward_impl(dy, x.detach(), w.detach(), stats)
     plan = _plan("layer_norm", "bwd", rows)
-    fixed = (x.detach(), w.detach().float(), dy, mean, rstd, torch.empty_like(x), torch.empty(cols, device="cuda"),
-             torch.empty(cols, device="cuda"))
+    fixed = _graphs.dummy_buffers(plan.spec)  # in _graphs.roles order
     layers = {
         "raw execute, fixed buffers": _raw(plan, fixed),
         "Plan.run, fixed buffers": lambda: plan.run(*fixed),
-        "layer_norm._backward_impl": lambda: ln_mod._backward_impl(dy, x.detach(), w.detach(), mean, rstd),
+        "layer_norm._backward_impl": lambda: ln_mod._backward_impl(dy, x.detach(), w.detach(), stats),
         "autograd.grad cudnorm": lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True),
         "autograd.grad torch": lambda: torch.autograd.grad(yt, (x, w, b), dy, retain_graph=True),
     }
@@ -131,6 +128,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    cudnorm.config(policy="cudnn")  # the default policy hands these small calls to PyTorch's ops
     print(f"device {torch.cuda.get_device_name()}  cudnn {cudnorm.info()['cudnn_backend']}")
     rows = []
     for wdtype in (torch.bfloat16, torch.float32):
@@ -152,8 +150,8 @@ def main():
     with torch.no_grad():
         print(profile(lambda: cudnorm.layer_norm(x, (N,), w, w)))
     dy = torch.randn_like(x)
-    _, mean, rstd = ln_mod._forward(x, w, w, 1e-5, True)
-    print(profile(lambda: ln_mod._backward_impl(dy, x, w, mean, rstd)))
+    _, stats = ln_mod._forward(x, w, w, 1e-5, True)
+    print(profile(lambda: ln_mod._backward_impl(dy, x, w, stats)))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,16 @@ def check_eps(op: str, eps) -> float:
     return eps
 
 
+def check_offset(op: str, offset) -> float:
+    """A weight offset (``weight_offset=``): a finite real number."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        _fail(TypeError, op, "weight_offset", f"must be a float, got {type(offset).__name__}")
+    offset = float(offset)
+    if not math.isfinite(offset):
+        _fail(ValueError, op, "weight_offset", f"must be finite, got {offset}")
+    return offset
+
+
 _FAST_DTYPES = frozenset(SUPPORTED_DTYPES)
 _F32 = torch.float32
 

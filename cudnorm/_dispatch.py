@@ -23,18 +23,21 @@ from . import _cache, _graphs, _runtime, _settings
 from ._spec import NormSpec
 
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
-# for a 1.1-1.5x plan difference to outweigh a few hundred ms of tuning (facts section 2).
+# for a 1.1-1.5x plan difference to outweigh a few hundred ms of tuning (facts section 2;
+# docs/performance.md, Decisions).
 AUTOTUNE_MIN_ELEMENTS = 1 << 22
 # Forwards up to this many elements are tuned. At 32768 x 32768 (= 2**30) tuning took 8-12 s
 # and gained 1.22x on RMSNorm (3147 -> 3839 GB/s, H200); at 2**31 (16384 x 131072,
-# 8192 x 262144) it took 36-103 s per graph for <= 1.01x, so those keep the first plan.
+# 8192 x 262144) it took 36-103 s per graph for <= 1.01x, so those keep the first plan
+# (docs/performance.md, Decisions).
 AUTOTUNE_MAX_ELEMENTS = 1 << 30
 # Forwards with at least this many columns run PyTorch's fused kernel instead of cuDNN's graph
 # (issue 4 allows a PyTorch kernel where it is measured faster). H200, bf16 x, fp32 weights
-# rounded to bf16, ``cudnorm bench`` session 6 (benchmarks/results/nvidia-h200/bench.csv):
-# at 8192 x 262144 the LayerNorm forward took 12.8 ms on cuDNN's plan (16% of copy; probe_plans
-# found no better plan) against 3.9 ms for PyTorch's kernel, the RMSNorm forward 3.8 vs 3.3 ms.
-# At 16384 x 131072 cuDNN was faster for both (3240 vs 2294 and 3857 vs 2636 GB/s).
+# rounded to bf16, ``cudnorm bench`` (benchmarks/results/nvidia-h200/bench.csv): at
+# 8192 x 262144 the LayerNorm forward took 12.8 ms on cuDNN's plan (16% of copy; no other
+# candidate plan was faster) against 3.9 ms for PyTorch's kernel, the RMSNorm forward 3.8 vs
+# 3.3 ms. At 16384 x 131072 cuDNN was faster for both (3240 vs 2294 and 3857 vs 2636 GB/s).
+# Evidence and commands: docs/performance.md, Decisions.
 NATIVE_FORWARD_MIN_COLS = 1 << 18
 _F32 = torch.float32
 _new_tuple = tuple.__new__
@@ -53,23 +56,24 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
     mode = _settings.current.autotune
     if mode == "auto":
         # Not cuDNN's AdaLN forward graph: with every plan timed, its first plan was the fastest
-        # at three DiT shapes (probe_plans_s5.txt), and one tuning at 16x4096x3072 picked a plan
-        # 14% slower (0.308 vs 0.270 ms, probe_ada_tuning_ab.txt; H200)
+        # at three DiT shapes, and one tuning at 16x4096x3072 picked a plan 14% slower (0.308
+        # vs 0.270 ms; H200; docs/performance.md, Decisions)
         return (phase != "bwd" and op != "ada_layer_norm"
                 and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS)
     return mode == "on"
 
 
 def spec_for(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype, device_index: int,
-             batch: int = 1) -> NormSpec:
+             batch: int = 1, offset: bool = False) -> NormSpec:
     """The one place a call's :class:`NormSpec` is made: ``x`` is the ``[rows, N]`` view
     the graph reads (real or meta tensor). The ops and ``cudnorm.warmup`` both use it, so a
     warmed-up spec is exactly the one a later call asks for. ``scale_dtype`` is the dtype
-    the graph reads the scale in (a backward also writes dW/dB in it)."""
+    the graph reads the scale in (a backward also writes dW/dB in it); ``offset``: the graph
+    scales by ``weight + offset`` (a nonzero weight offset)."""
     rows, cols = x.shape
     # tuple.__new__ skips NormSpec.__new__'s defaults handling: this runs on every call
     return _new_tuple(NormSpec, (op, phase, rows, cols, x.dtype, scale_dtype, device_index, x.stride(0), batch,
-                                 autotune_wanted(op, phase, rows, cols), False))
+                                 autotune_wanted(op, phase, rows, cols), False, offset))
 
 
 def native_forward(x: torch.Tensor) -> bool:
@@ -227,7 +231,7 @@ def define_op(name: str, schema: str, impl, fake):
     Registered through ``torch.library.Library`` rather than ``torch.library.custom_op``: a
     custom_op call goes through extra Python wrappers, measured at 24 us of host time per call
     against 10 us for a Library op on a lent H100 host (both returning one ``empty_like``),
-    which compiled graphs pay on every call of the op.
+    which compiled graphs pay on every call of the op (docs/performance.md, Decisions).
     """
     _LIBRARY.define(name + schema)
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")

@@ -22,23 +22,26 @@ from ._spec import NormSpec
 # Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
 UIDS = {
     "x": 1, "scale": 2, "bias": 3, "eps": 4, "y": 5, "mean": 6, "rstd": 7,
-    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11,
+    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11, "offset": 12,
 }
 
 
 def roles(spec: NormSpec) -> tuple[str, ...]:
     """The buffers a graph reads and writes, in the order :meth:`Plan.run` and
     :meth:`Plan.launch` take them: ascending uid (:data:`UIDS`), the order of the backend's
-    variant-pack slots, so a launch passes its addresses without reordering them."""
-    if spec.phase == "bwd":
-        if spec.op == "rms_norm":
-            return ("x", "scale", "rstd", "dy", "dx", "dscale")
-        return ("x", "scale", "mean", "rstd", "dy", "dx", "dscale", "dbias")
-    inputs = ("x", "scale", "eps") if spec.op == "rms_norm" else ("x", "scale", "bias", "eps")
-    if spec.phase == "infer":
-        return inputs + ("y",)
-    stats = ("rstd",) if spec.op == "rms_norm" else ("mean", "rstd")
-    return inputs + ("y",) + stats
+    variant-pack slots, so a launch passes its addresses without reordering them. A graph
+    with a weight offset reads it last (the host scalar ``offset``)."""
+    return _ROLES[spec.op != "rms_norm", spec.phase] + (("offset",) if spec.offset else ())
+
+
+_ROLES = {  # (has mean and bias, phase) -> roles without the offset
+    (False, "bwd"): ("x", "scale", "rstd", "dy", "dx", "dscale"),
+    (True, "bwd"): ("x", "scale", "mean", "rstd", "dy", "dx", "dscale", "dbias"),
+    (False, "infer"): ("x", "scale", "eps", "y"),
+    (True, "infer"): ("x", "scale", "bias", "eps", "y"),
+    (False, "train"): ("x", "scale", "eps", "y", "rstd"),
+    (True, "train"): ("x", "scale", "bias", "eps", "y", "mean", "rstd"),
+}
 
 
 def _host_scalar_shape(spec: NormSpec) -> list[int]:
@@ -57,7 +60,7 @@ def buffer_shapes(spec: NormSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         dparam = ((spec.cols,), spec.scale_dtype)
     stat = ((spec.rows,), f32)
     table = {"x": x, "y": x, "dy": x, "dx": x, "scale": param, "bias": param, "dscale": dparam,
-             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32)}
+             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32), "offset": ((1,), f32)}
     return {r: table[r] for r in roles(spec)}
 
 
@@ -110,6 +113,12 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
     scale = tensor("scale", pd, ps, dt(spec.scale_dtype))
     hs = _host_scalar_shape(spec)
     hs_stride = [1] * len(hs)
+    if spec.offset:
+        # Gemma's ``1 + weight``: added in fp32 inside the graph, before the norm reads it; the
+        # backward's dscale is then the weight's gradient as it stands
+        offset = tensor("offset", hs, hs_stride, f32, is_pass_by_value=True)
+        scale = g.add(name="weight_offset", a=scale, b=offset, compute_data_type=f32)
+        scale.set_data_type(f32)
     if spec.phase == "bwd":
         tensor("dy", xd, _packed(xd), io)
         if spec.op != "rms_norm":
@@ -193,7 +202,8 @@ class RawExecute:
     normalisation).
 
     The public ordered execute costs 14-18 us of host time per launch on an H200, this path
-    the backend call alone (7-8 us on a lent H100 host, most of it inside cuDNN). Built by
+    the backend call alone (7-8 us on a lent H100 host, most of it inside cuDNN;
+    docs/performance.md, Decisions). Built by
     :meth:`for_graph`, which returns ``None`` whenever anything it relies on is absent.
     """
 
@@ -254,7 +264,8 @@ class RawExecute:
     def launch(self, pointers, workspace: torch.Tensor | None, backend_handle: int) -> None:
         """Execute with device (or, for pass-by-value scalars, host) addresses given in
         :func:`roles` order. An ``array('Q')`` holds them for the call: cheaper to build than
-        a ctypes array (8.2 vs 10.3 us per launch with the execute, lent H100 host)."""
+        a ctypes array (8.2 vs 10.3 us per launch with the execute, lent H100 host;
+        docs/performance.md, Decisions)."""
         perm = self._perm
         slots = _array("Q", pointers if perm is None else [pointers[i] for i in perm])
         self._execute(slots.buffer_info()[0], self._count, 0 if workspace is None else workspace.data_ptr(),
@@ -328,7 +339,7 @@ def _heuristic_modes(full: bool) -> list:
     """Heuristic modes asked for candidate plans. Mode A alone lists the same first plan as
     A + B + FALLBACK (their lists are concatenated, A's first) at a fraction of the cost: a
     LayerNorm backward at N = 4096 (H200) spent 0.28-0.35 s in mode A vs 0.57-0.80 s in all
-    three (``benchmarks/probe_session3.py build``). Autotuning wants every candidate."""
+    three (docs/performance.md, Decisions). Autotuning wants every candidate."""
     cudnn = _runtime.cudnn_module()
     if full:
         return [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]
@@ -390,6 +401,8 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
     for role, (shape, dtype) in buffer_shapes(spec).items():
         if role == "eps":
             out.append(host_scalar(eps, spec))
+        elif role == "offset":
+            out.append(host_scalar(1.0, spec))
         elif role == "rstd":
             out.append(torch.rand(shape, device=device, generator=gen).add_(0.5))
         else:
@@ -401,11 +414,13 @@ def dummy_buffers(spec: NormSpec, eps: float = 1e-5) -> list[torch.Tensor]:
 #: default 8): finalising a plan costs 0.2-4 s, and timing all 25-28 LN/RMS-forward plans took
 #: 16-39 s per graph at 32768 x 8192..32768 on the H200. The fastest plan is not always among the
 #: first 8: for the LayerNorm forward at 32768 x 8192 it was candidate 21 (4119 GB/s against
-#: 3667 for the best of the first 8; ``benchmarks/probe_plans.py``).
+#: 3667 for the best of the first 8; ``benchmarks/plan_candidates.py``; docs/performance.md,
+#: Decisions).
 #: Plans timed in addition to the first candidates whenever the heuristics list them: measured
 #: fastest where the heuristics rank them low. ``eng3_k24=2_k30=0_k33=0_k34=0_k35=1_k36=3`` was the
 #: fastest LayerNorm forward at 32768 x 4096 and 32768 x 8192 (H200, every candidate timed:
-#: 3923 / 4038 GB/s against 3575 / 3667 for the best of the first 8), ranked 21st-24th.
+#: 3923 / 4038 GB/s against 3575 / 3667 for the best of the first 8), ranked 21st-24th
+#: (docs/performance.md, Decisions).
 EXTRA_CANDIDATES = ("eng3_k24=2_k30=0_k33=0_k34=0_k35=1_k36=3",)
 
 
@@ -433,7 +448,8 @@ def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: floa
     drift (clocks, a neighbour's load) touches all of them alike. After one round a
     candidate 3x slower than the best keeps that sample; the others get up to ``reps``
     rounds within about ``budget_ms`` each (at least 3): at 8192 x 262144 a run takes up to
-    ~13 ms, where a fixed 20 samples of every candidate would spend seconds."""
+    ~13 ms, where a fixed 20 samples of every candidate would spend seconds
+    (docs/performance.md, Decisions)."""
     buffers = dummy_buffers(spec)
     uid_map = dict(zip((UIDS[r] for r in roles(spec)), buffers))
     h = _runtime.handle(spec.device_index)

@@ -37,7 +37,7 @@ import torch
 from . import _settings
 
 # Eager calls with at least this many input elements run on cuDNN. Model steps with fresh
-# inputs on a lent H100, bf16, every call on cuDNN (docs/performance.md, decisions): every
+# inputs on a lent H100, bf16, every call on cuDNN (docs/performance.md, Decisions): every
 # configuration below it lost (GPT-2 1024-wide LayerNorm at 8 x 1024 tokens = 2**23 elements
 # 0.86x, DiT 1152 AdaLN at 512-2048 tokens 0.81-0.94x, decode 0.75-0.83x: host-bound steps),
 # every one above it won (Llama RMSNorm at 2 x 4096 x 4096 = 2**25 1.01x, DiT AdaLN at

@@ -26,8 +26,8 @@ would spend its time building. So, per norm
   gets exact graphs.
 
 Forward chunk graphs are dynamic-shape graphs sharing a kernel cache, which makes a further
-forward build 0.02-0.06 s instead of ~0.25 s; it does not help backward builds (measured in
-``benchmarks/probe_rows.py``). The chunk sizes trade build time (one graph per size and
+forward build 0.02-0.06 s instead of ~0.25 s; it does not help backward builds (H200;
+docs/performance.md, Decisions). The chunk sizes trade build time (one graph per size and
 phase) against launch count and the overlap; ``benchmarks/variable_rows.py`` measures both.
 """
 
@@ -44,7 +44,8 @@ from ._spec import NormSpec
 
 # Chunk sizes per phase, largest first. Measured at N = 4096 bf16, 65536 rows (H200): 4096-row
 # chunks cost +18% (fwd) / +3% (bwd) over the exact graph, 16384-row chunks -26% on the
-# backward, 1024-row chunks +63-106% (used only for the remainder).
+# backward, 1024-row chunks +63-106% (used only for the remainder). docs/performance.md,
+# Decisions.
 CHUNK_ROWS = {"train": (16384, 4096, 1024), "infer": (16384, 4096, 1024), "bwd": (16384, 4096)}
 DYNAMIC_PHASES = frozenset({"train", "infer"})
 
@@ -152,9 +153,10 @@ def chunk_spec(spec: NormSpec, rows: int) -> NormSpec:
     Chunk graphs are never autotuned: over 100 random row counts at N = 4096 (H200) tuning
     them cost 8 s of the 12.8 s spent building and left the steady state unchanged
     (147 ms per pass tuned, 139 ms untuned), while the whole point of chunks is few,
-    cheap builds. Backward chunks read an fp32 scale and write fp32 partial dW/dB whatever
-    the weight's dtype: the partials are summed across chunks and rounded once, so
-    half-precision weights get one rounding, as with an exact graph."""
+    cheap builds (docs/performance.md, Decisions). Backward chunks read an fp32 scale and
+    write fp32 partial dW/dB whatever the weight's dtype: the partials are summed across
+    chunks and rounded once, so half-precision weights get one rounding, as with an exact
+    graph."""
     scale_dtype = torch.float32 if spec.phase == "bwd" else spec.scale_dtype
     return spec._replace(rows=rows, autotune=False, dynamic=spec.phase in DYNAMIC_PHASES, scale_dtype=scale_dtype)
 
@@ -230,7 +232,8 @@ class ChunkedPlan:
         self._runs = [plans[size].run for _, size in regular]
         # Address path: every chunk plan launches from raw addresses (cudnorm._graphs.RawExecute),
         # so a chunk is a few integer additions instead of a tensor view per buffer; inside a
-        # training step this halved the host time of a chunked call (H200, probe_session3 rows).
+        # training step this halved the host time of a chunked call (H200; docs/performance.md,
+        # Decisions).
         if all(getattr(plan, "raw", None) is not None for plan in plans.values()):
             itemsize = spec.x_dtype.itemsize
             row_bytes = {"x": spec.x_row_stride * itemsize, "mean": 4, "rstd": 4}

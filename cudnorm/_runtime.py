@@ -139,6 +139,7 @@ _handles = _Handles()
 # torch's private raw getter costs ~0.1 us; torch.cuda.current_stream() builds an object (~3 us).
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+# a memory bound, not a measured figure (docs/performance.md, Decisions)
 _MAX_STREAMS_WITH_WORKSPACE = 16
 _U8 = torch.uint8
 

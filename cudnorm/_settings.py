@@ -78,6 +78,7 @@ class Config:
             [``CUDNORM_DISABLE_CUDNN``: ``1``/``0`` and synonyms]
     """
 
+    # defaults taken from a measurement (and bounds that were not): docs/performance.md, Decisions
     policy: Literal["auto", "cudnn"] = "auto"
     autotune: Literal["auto", "on", "off"] = "auto"
     autotune_candidates: int | Literal["all"] = 8

@@ -19,7 +19,7 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 _FIELDS = ("op", "phase", "rows", "cols", "x_dtype", "scale_dtype", "device_index", "x_row_stride", "batch",
-           "autotune", "dynamic")
+           "autotune", "dynamic", "offset")
 
 
 class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
@@ -43,14 +43,17 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
         autotune: plans were timed and the fastest kept, rather than heuristics' first.
         dynamic: built as a dynamic-shape graph sharing a kernel cache with its siblings
             (the row-chunk graphs of :mod:`cudnorm._rows`: later builds reuse compiled kernels).
+        offset: the graph scales by ``weight + offset`` (Gemma's RMSNorm: ``1 + weight``),
+            the offset a pass-by-value input added inside the graph in fp32, so one graph
+            serves every offset value and no kernel runs before the launch.
     """
 
     __slots__ = ()
 
     def __new__(cls, op, phase, rows, cols, x_dtype, scale_dtype, device_index, x_row_stride=None, batch=1,
-                autotune=False, dynamic=False):
+                autotune=False, dynamic=False, offset=False):
         return tuple.__new__(cls, (op, phase, rows, cols, x_dtype, scale_dtype, device_index,
-                                   cols if x_row_stride is None else x_row_stride, batch, autotune, dynamic))
+                                   cols if x_row_stride is None else x_row_stride, batch, autotune, dynamic, offset))
 
     def validate(self) -> "NormSpec":
         """Raise ``ValueError`` for an unknown op/phase or a shape that is not positive."""
@@ -58,6 +61,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             raise ValueError(f"cudnorm: unknown op {self.op!r}; expected one of {OPS}")
         if self.phase not in PHASES:
             raise ValueError(f"cudnorm: unknown phase {self.phase!r}; expected one of {PHASES}")
+        if self.offset and self.op == "ada_layer_norm":
+            raise ValueError("cudnorm: a weight offset is for LayerNorm/RMSNorm graphs, not AdaLN")
         if min(self.rows, self.cols, self.batch) < 1 or self.rows % self.batch or self.x_row_stride < self.cols:
             raise ValueError(f"cudnorm: inconsistent NormSpec sizes {self!r}")
         return self
@@ -100,6 +105,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             parts.append("autotune")
         if self.dynamic:
             parts.append("dynamic")
+        if self.offset:
+            parts.append("offset")
         return "-".join(parts)
 
 

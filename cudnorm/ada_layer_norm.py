@@ -57,12 +57,13 @@ FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
 STRATEGIES = ("cudnn", "per_sample", "torch")  # backward
 
 # (rule(b, s, d, dtype), strategy) rows, first match wins. Measured with fresh tensors on a
-# lent H100 (bf16, GPU time per call from CUDA-graph replays of plain launches; docs/adaln.md,
-# decisions): cuDNN's AdaLN forward graph is one launch at 7.8-76 us where the eager formula
-# takes 12-292 us. cuDNN's AdaLN backward graph matches the per-sample launches up to
-# ADA_CUDNN_BACKWARD_MAX elements and 8 samples (2x256x1152 13.3 vs 15.1 us, 8x256x1152 42.7
-# vs 45.3, 2x1024x1152 29.7 vs 25.5) with one launch instead of B, and collapses beyond
-# (8x1024x1152 99.6 vs 76.6, 8x1024x3072 497 vs 126, 32x256x1152 3534 vs 159).
+# lent H100 (bf16, GPU time per call from CUDA-graph replays of plain launches;
+# docs/performance.md, Decisions): cuDNN's AdaLN forward graph is one launch at 7.8-76 us
+# where the eager formula takes 12-292 us. cuDNN's AdaLN backward graph matches the
+# per-sample launches up to ADA_CUDNN_BACKWARD_MAX elements and 8 samples (2x256x1152 13.3
+# vs 15.1 us, 8x256x1152 42.7 vs 45.3, 2x1024x1152 29.7 vs 25.5) with one launch instead of
+# B, and collapses beyond (8x1024x1152 99.6 vs 76.6, 8x1024x3072 497 vs 126, 32x256x1152
+# 3534 vs 159).
 ADA_CUDNN_BACKWARD_MAX = 1 << 22
 FORWARD_RULES = ((lambda b, s, d, dtype: True, "cudnn"),)
 BACKWARD_RULES = (
@@ -351,7 +352,8 @@ def _per_sample_bwd_spec(sample: torch.Tensor, scale_dtype: torch.dtype, device_
     # Autotuned in "auto" mode from 2**22 elements per sample, unlike the other backwards: the
     # per-sample launches are short, and the plan the heuristics rank first was measured
     # 4-16% slower there (H200, L2 flushed: 4096x3072 0.0313 vs >= 0.0327 ms, 4096x1152
-    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.txt).
+    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.txt;
+    # docs/performance.md, Decisions).
     spec = _dispatch.spec_for("layer_norm", "bwd", sample, scale_dtype, device_index)
     if not spec.autotune and _settings.current.autotune == "auto" \
             and spec.rows * spec.cols >= _dispatch.AUTOTUNE_MIN_ELEMENTS:

@@ -10,15 +10,18 @@ Swapped:
 * transformers' Llama-family RMSNorms (:data:`LLAMA_STYLE_RMS_NORMS`: ``weight *
   normalized(x).to(x.dtype)``) -> :class:`LlamaStyleRMSNorm`, which keeps their output dtype
   (the promotion of the weight's and the input's) and their ``variance_epsilon`` attribute;
+* transformers' Gemma RMSNorms (:data:`GEMMA_STYLE_RMS_NORMS`: ``normalized(x) * (1 + weight)``
+  in fp32, cast to ``x``'s dtype once) -> :class:`GemmaStyleRMSNorm`, whose graph adds the
+  offset itself (``rms_norm(..., weight_offset=1.0)``);
 * diffusers' AdaLN classes (``AdaLayerNorm``, ``AdaLayerNormContinuous``, ``AdaLayerNormZero``,
   ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``; exact classes) -> the class of that
   name in :mod:`cudnorm.diffusers`, holding the original's own linear, embedding and norm
   parameters (:func:`cudnorm.diffusers.from_diffusers`). The modules inside a swapped module
   belong to the new one and are not visited again.
 
-Left, with the reason: Gemma's RMSNorm (``x_hat * (1 + weight)``: cudnorm has no weight
-offset yet), T5's LayerNorm (its output takes the weight's dtype), diffusers' other norm
-classes and any other class.
+Left, with the reason: other Gemma-family norms (Gemma 3n/4 variants with other formulas),
+T5's LayerNorm (its output takes the weight's dtype), diffusers' other norm classes and any
+other class.
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ import torch
 
 from .diffusers import from_diffusers
 from .modules import LayerNorm, RMSNorm
+from .rms_norm import rms_norm
 
 # transformers classes whose forward is Llama's: fp32 rstd, x_hat cast to x's dtype, times weight
 LLAMA_STYLE_RMS_NORMS = frozenset((
     "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
     "Qwen3MoeRMSNorm", "Phi3RMSNorm",
 ))
+# transformers classes whose forward is Gemma's: fp32 x_hat * (1 + weight.float()), cast to x's dtype
+GEMMA_STYLE_RMS_NORMS = frozenset(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"))
 _WHY_LEFT = {
-    "Gemma": "scales by (1 + weight): cudnorm's RMSNorm has no weight offset yet",
+    "Gemma": "a Gemma-family norm with another formula than Gemma's (1 + weight) RMSNorm",
     "T5LayerNorm": "returns the weight's dtype, which cudnorm's RMSNorm does not",
 }
 
@@ -59,6 +65,29 @@ class LlamaStyleRMSNorm(RMSNorm):
         y = super().forward(input)
         dtype = torch.promote_types(self.weight.dtype, input.dtype)
         return y if y.dtype == dtype else y.to(dtype)
+
+
+class GemmaStyleRMSNorm(torch.nn.Module):
+    """transformers' Gemma RMSNorm on cudnorm: ``rms_norm(x) * (1 + weight)`` in fp32, one
+    rounding to ``x``'s dtype (the offset is added inside the cuDNN graph, no extra kernel).
+
+    Args:
+        dim: the normalised (last) size.
+        eps: added to the mean square.
+    Parameters: ``weight [dim]``, initialised to zeros (the scale starts at 1), as Gemma's.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input [*, dim]`` -> ``[*, dim]`` in ``input``'s dtype."""
+        return rms_norm(input, self.weight.shape, self.weight, self.eps, weight_offset=1.0)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 @dataclass
@@ -119,6 +148,11 @@ def _replacement(module: torch.nn.Module) -> torch.nn.Module | None:
     if (kind.__name__ in LLAMA_STYLE_RMS_NORMS and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), float)):
         new = LlamaStyleRMSNorm(weight.shape[0], eps=module.variance_epsilon, device="meta")
+        new.weight = weight
+        return new
+    if (kind.__name__ in GEMMA_STYLE_RMS_NORMS and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+            and isinstance(getattr(module, "eps", None), float)):
+        new = GemmaStyleRMSNorm(weight.shape[0], eps=module.eps, device="meta")
         new.weight = weight
         return new
     return from_diffusers(module)

@@ -63,6 +63,31 @@ def _expected_dtype(spec, role):
     return spec.scale_dtype  # every graph reads the scale, and a backward writes dW/dB, in its dtype
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("phase", ["train", "infer", "bwd"])
+def test_weight_offset_is_added_inside_the_graph(op, phase):
+    """``offset=True``: one pointwise ADD of the scale and a pass-by-value fp32 host scalar
+    feeds the norm node's scale; the scalar is bound last (its uid is the largest). That it is
+    passed by value is checked on the GPU, where a device pointer for it would fail."""
+    spec = _spec(op, phase, offset=True)
+    graph, uids = _graphs.build_ir(spec)
+    info, io = _io(graph)
+    assert _graphs.roles(spec)[-1] == "offset" and uids[-1] == _graphs.UIDS["offset"]
+    assert {t["uid"] for t in io.values()} == set(uids)
+    scalar = next(t for t in io.values() if t["uid"] == _graphs.UIDS["offset"])
+    assert scalar["dim"] == [1, 1, 1, 1] and str(scalar["dtype"]).endswith("FLOAT")
+    adds = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
+    assert len(adds) == 1 and str(adds[0]["params"]["mode"]).lower().endswith("add"), adds
+    assert set(adds[0]["inputs"].values()) == {"scale", "offset"}
+    norm = next(n for n in info["nodes"] if n["type"] != "POINTWISE")
+    assert adds[0]["outputs"]["OUT_0"] in norm["inputs"].values(), "the norm reads scale + offset"
+    plain_info, _ = _io(_graphs.build_ir(_spec(op, phase))[0])
+    assert not [n for n in plain_info["nodes"] if n["type"] == "POINTWISE"]
+    assert spec.slug().endswith("-offset") and NormSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="offset"):
+        _spec("ada_layer_norm", phase, offset=True).validate()
+
+
 def test_padded_rows_layout():
     spec = NormSpec("rms_norm", "train", 8, 100, torch.bfloat16, torch.bfloat16, 0, x_row_stride=128)
     _, io = _io(_graphs.build_ir(spec)[0])

@@ -125,9 +125,34 @@ def test_modules_compile_fullgraph_and_train():
                                                         torch.randn(64, dtype=torch.bfloat16), torch.rand(2, 8))),
     (torch.ops.cudnorm.rms_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), torch.randn(64),
                                                       torch.rand(8))),
+    (torch.ops.cudnorm.rms_norm_fwd.default, lambda: (torch.randn(8, 64, requires_grad=True),
+                                                      torch.randn(64, requires_grad=True), 1e-6, True, 1.0)),
+    (torch.ops.cudnorm.rms_norm_bwd.default, lambda: (torch.randn(8, 64), torch.randn(8, 64), torch.randn(64),
+                                                      torch.rand(8), 1.0)),
 ])
 def test_opcheck(op, args):
     torch.library.opcheck(op, args())
+
+
+@pytest.mark.parametrize("policy", ["cudnn", "auto"])  # cudnorm's own path (PyTorch's kernels here); the formula
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_weight_offset(policy, dtype, with_weight):
+    """``weight_offset=c`` scales by ``weight + c`` in fp32 (Gemma: c = 1), forward and
+    backward, within the 2x rule against the same formula in PyTorch's ops."""
+    x = torch.randn(2, 16, 96).to(dtype)
+    w = (0.3 * torch.randn(96)).to(dtype) if with_weight else None
+    with cudnorm.config(policy=policy):
+        rows = ref.accuracy_report(
+            lambda x, *w: cudnorm.rms_norm(x, (96,), w[0] if w else None, 1e-6, weight_offset=1.0),
+            lambda x, *w: (F.rms_norm(x.float(), (96,), None, 1e-6) * ((w[0].float() if w else 1.0) + 1.0)).to(x.dtype),
+            lambda x, *w: ref.rms_norm(x, (w[0] if w else torch.zeros(96, dtype=x.dtype)) + 1.0, 1e-6),
+            (x, w) if with_weight else (x,), torch.randn_like(x), ("y", "dx", "dw") if with_weight else ("y", "dx"), dtype)
+    assert all(r["ok"] for r in rows), rows
+    with pytest.raises(TypeError, match="rms_norm: argument 'weight_offset'"):
+        cudnorm.rms_norm(x, (96,), w, weight_offset="1")
+    with pytest.raises(ValueError, match="'weight_offset' must be finite"):
+        cudnorm.rms_norm(x, (96,), w, weight_offset=float("nan"))
 
 
 @pytest.mark.parametrize("call, exc, words", [

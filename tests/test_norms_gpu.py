@@ -99,6 +99,41 @@ def test_non_contiguous_and_padded_inputs(dtype):
     _check_ln(torch.randn(1024, 96, device="cuda").to(dtype).t(), w, b)  # transposed: copied
 
 
+def _check_rms_offset(x, w, offset=1.0):
+    n = x.shape[-1]
+    before = cudnorm.cache_info().declined
+    rows = ref.accuracy_report(
+        lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-6, weight_offset=offset),
+        lambda x, w: (F.rms_norm(x.float(), (n,), None, 1e-6) * (w.float() + offset)).to(x.dtype),  # Gemma's formula
+        lambda x, w: ref.rms_norm(x, w + offset, 1e-6), (x, w), torch.randn_like(x), ("y", "dx", "dw"), x.dtype)
+    assert cudnorm.cache_info().declined == before, "cuDNN declined a configuration"
+    assert all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("n", [1024, 4096, 5120])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wkind", ["same", "fp32"])
+def test_weight_offset_on_cudnn(n, dtype, wkind, fresh_cache):
+    """Gemma's ``(1 + weight)`` added inside the graph: forward and backward within the 2x
+    rule against Gemma's own formula, exact and row-chunked graphs, inference graph too."""
+    wdtype = torch.float32 if wkind == "fp32" else dtype
+    w = (0.3 * torch.randn(n, device="cuda")).to(wdtype)  # stored around zero, as Gemma's
+    _check_rms_offset(torch.randn(_rows(n), n, device="cuda").to(dtype), w)
+    with cudnorm.config(exact_rows=1, exact_after=1):  # the second row count runs shared chunk graphs
+        _check_rms_offset(torch.randn(300, n, device="cuda").to(dtype), w)
+        _check_rms_offset(torch.randn(5000, n, device="cuda").to(dtype), w)
+    assert cudnorm.cache_info().chunked_calls > 0
+    built = {(s.phase, s.offset, s.dynamic) for s in _cache.plans.specs()}
+    assert {("train", True, False), ("bwd", True, False), ("train", True, True)} <= built, built
+    plans = cudnorm.cache_info().size
+    _check_rms_offset(torch.randn(_rows(n), n, device="cuda").to(dtype), w, 0.5)  # cuDNN takes only 1.0
+    assert cudnorm.cache_info().size == plans, "an offset other than 1.0 built a cuDNN graph"
+    x = torch.randn(64, n, device="cuda").to(dtype)
+    with torch.no_grad():
+        infer = cudnorm.rms_norm(x, (n,), w, 1e-6, weight_offset=1.0)
+    torch.testing.assert_close(infer, cudnorm.rms_norm(x, (n,), w.requires_grad_(), 1e-6, weight_offset=1.0).detach())
+
+
 def test_no_grad_runs_inference_graph(fresh_cache):
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, device="cuda", requires_grad=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm.patching import LlamaStyleRMSNorm
+from cudnorm import reference as ref
+from cudnorm.patching import GEMMA_STYLE_RMS_NORMS, GemmaStyleRMSNorm, LlamaStyleRMSNorm
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,12 +73,53 @@ def test_llama_style_output_dtype_follows_the_reference():
     assert half(torch.randint(0, 128, (1, 8))).logits.dtype == torch.bfloat16
 
 
-def test_gemma_is_left_with_its_reason():
-    cfg = transformers.GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=1, head_dim=16)
-    report = cudnorm.patch(transformers.GemmaForCausalLM(cfg))
-    assert not report.swapped and len(report.left) == 3
-    assert all("1 + weight" in why for _, _, why in report.left)
+def _gemma(cls_name="Gemma", dtype=torch.float32):
+    torch.manual_seed(0)
+    config_cls, model_cls = getattr(transformers, cls_name + "Config"), getattr(transformers, cls_name + "ForCausalLM")
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # Gemma stores weights around zero (the scale is 1 + weight)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", ["Gemma", "Gemma2"])
+def test_gemma_swaps_to_the_offset_norm_and_matches(family, device):
+    """Gemma's ``x_hat * (1 + weight)``: swapped naively for a plain RMSNorm the logits were
+    off by 3.8; with ``weight_offset=1.0`` they match in fp32, and gradients too."""
+    model, ids = _gemma(family).to(device), torch.randint(0, 128, (2, 16), device=device)
+    want, want_grads = _loss_and_grads(model, ids)
+    keys = list(model.state_dict())
+    gemma_norms = sum(type(m).__name__ in GEMMA_STYLE_RMS_NORMS for m in model.modules())
+    report = cudnorm.patch(model)
+    assert gemma_norms >= 5 and len(report.swapped) == gemma_norms, report  # 2-4 per layer + the final norm
+    assert {new for _, _, new in report.swapped} == {"cudnorm.GemmaStyleRMSNorm"} and not report.left
+    assert list(model.state_dict()) == keys
+    got, got_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gemma_style_bf16_meets_the_error_rule():
+    norm = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(64))
+    mine = GemmaStyleRMSNorm(64, eps=1e-6)
+    mine.weight = norm.weight
+    x = torch.randn(32, 64)
+    exact = norm.double()(x.double())
+    for dtype in (torch.bfloat16, torch.float16):
+        half = x.to(dtype)
+        norm_half = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(64, eps=1e-6)
+        norm_half.weight = torch.nn.Parameter(norm.weight.detach().float())
+        theirs, ours = norm_half(half), mine.float()(half)
+        assert ours.dtype == theirs.dtype == dtype
+        assert ref.rel_error(ours, exact) <= ref.error_bound(ref.rel_error(theirs, exact), dtype)
 
 
 def test_gpt2_layer_norms_and_plain_models():

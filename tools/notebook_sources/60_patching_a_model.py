@@ -85,13 +85,27 @@ for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().ite
 print("round trip through save_pretrained / from_pretrained: equal")
 
 # %% [markdown]
-# ## What is left, and why
+# ## Gemma: a weight offset
 #
-# Gemma's RMSNorm scales by $(1 + w)$; cudnorm has no weight offset yet, so `patch` leaves
-# it and says so.
+# Gemma's RMSNorm scales by $(1 + w)$ and keeps its weights around zero. `patch` swaps it for
+# `GemmaStyleRMSNorm`, which calls `cudnorm.rms_norm(..., weight_offset=1.0)`: the offset is
+# added inside cuDNN's graph in fp32, as Gemma adds it, with no extra kernel. The logits
+# match the unpatched model.
 
 # %%
+torch.manual_seed(0)
 gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=16))
-print(cudnorm.patch(gemma))
+    num_key_value_heads=1, head_dim=16)).eval()
+with torch.no_grad():
+    for name, p in gemma.named_parameters():
+        if "norm" in name:
+            p.copy_(0.3 * torch.randn_like(p))
+gemma = gemma.to(device)
+ids = torch.randint(0, 256, (2, 16), device=device)
+with torch.no_grad():
+    before = gemma(ids).logits
+    print(cudnorm.patch(gemma))
+    after = gemma(ids).logits
+print(f"largest logit difference after patching: {(after - before).abs().max().item():.2e}")
+assert torch.allclose(after, before, rtol=1e-4, atol=1e-4)

@@ -3,7 +3,9 @@ fresh interpreter builds the graph with autotuning (``cudnorm._graphs.build_plan
 times as ``--processes``; each prints its pick and the median ms of its three fastest
 candidates, then a summary says whether the picks agree.
 
-    PYTHONPATH=. python benchmarks/probe_autotune.py layer_norm:bwd:4096x3072 rms_norm:train:32768x16384
+    PYTHONPATH=. python benchmarks/autotune_agreement.py layer_norm:bwd:4096x3072 rms_norm:train:32768x16384
+
+Run it after a change to how autotuning times candidates (``cudnorm._graphs._time_plans``).
 """
 
 from __future__ import annotations

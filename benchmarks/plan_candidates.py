@@ -1,11 +1,12 @@
 """Every candidate plan cuDNN offers for one graph, timed: is there a faster plan than the ones
-autotuning looks at (the first ``CUDNORM_AUTOTUNE_CANDIDATES``)? Issue 4's "where cuDNN loses" shapes.
+autotuning looks at (the first ``autotune_candidates``, plus ``cudnorm._graphs.EXTRA_CANDIDATES``)?
+Run it where cudnorm loses to a peer, and again with each new cuDNN (``benchmarks/newer_cudnn.sh``).
 
 For each ``op:phase:MxN`` given (``ada_layer_norm:phase:BxSxD``), the graph is built with heuristics A + B + FALLBACK, every
 candidate (or those whose name contains ``--engine``) is finalised and timed as autotuning
 times it (``cudnorm._graphs._time_plans``), and a table of plan name, ms and GB/s is printed.
 
-    PYTHONPATH=. python benchmarks/probe_plans.py rms_norm:train:32768x8192 layer_norm:train:8192x262144
+    PYTHONPATH=. python benchmarks/plan_candidates.py rms_norm:train:32768x8192 layer_norm:train:8192x262144
 """
 
 from __future__ import annotations
