@@ -11,7 +11,8 @@ from ._plan_store import clear_plan_store, install_default_store, plan_store_inf
 from ._settings import Config, config, get_config
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
-from .modules import AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, LayerNorm, RMSNorm
+from .modules import (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, FusedAddLayerNorm, FusedAddRMSNorm,
+                      LayerNorm, RMSNorm)
 from .patching import PatchReport, patch
 from .rms_norm import rms_norm
 from .warmup import record_specs, warmup
@@ -25,6 +26,8 @@ __all__ = [
     "AdaLayerNormContinuous",
     "AdaLayerNormZero",
     "Config",
+    "FusedAddLayerNorm",
+    "FusedAddRMSNorm",
     "LayerNorm",
     "PatchReport",
     "RMSNorm",

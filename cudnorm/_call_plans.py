@@ -55,22 +55,23 @@ _norm_calls = SignatureMemo()  # LayerNorm / RMSNorm: signature -> exact Plan
 
 
 def rows_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype,
-              offset: bool = False) -> tuple[torch.Tensor, object]:
+              offset: bool = False, residual: bool = False) -> tuple[torch.Tensor, object]:
     """``(x_rows, plan)`` for a LayerNorm/RMSNorm call on ``x: [M, N]`` (CUDA).
 
     ``x_rows`` is ``x`` or, when its layout is not one cuDNN reads, a contiguous copy;
     ``plan`` is a :class:`~cudnorm._graphs.Plan`, a :class:`~cudnorm._rows.ChunkedPlan` or
     ``None`` (cuDNN declines: the caller runs PyTorch's kernels). ``offset``: a graph that
-    scales by ``weight + offset`` (its launch passes the offset's host scalar last). The hot path of every call:
+    scales by ``weight + offset`` (its launch passes the offset's host scalar);
+    ``residual``: a graph with a fused residual add (:mod:`cudnorm._fused_add`). The hot path of every call:
     a repeated signature costs one tuple, one dictionary lookup and an alignment check.
     """
-    signature = (op, phase, x.shape, x.stride(), x.dtype, x.get_device(), scale_dtype, offset)
+    signature = (op, phase, x.shape, x.stride(), x.dtype, x.get_device(), scale_dtype, offset, residual)
     plan = _norm_calls.get(signature)
     if plan is not None and not x.data_ptr() & 15:
         _cache.plans.count_hit()
         return x, plan
     rows = _dispatch.cudnn_rows(x)
-    spec = _dispatch.spec_for(op, phase, rows, scale_dtype, rows.device.index, offset=offset)
+    spec = _dispatch.spec_for(op, phase, rows, scale_dtype, rows.device.index, offset=offset, residual=residual)
     plan = _rows.plan_or_chunks(spec)
     if rows is x and isinstance(plan, _graphs.Plan):
         _norm_calls.put(signature, plan)

@@ -96,6 +96,20 @@ def check_offset(op: str, offset) -> float:
     return offset
 
 
+def check_residual(op: str, residual, input: torch.Tensor) -> torch.Tensor:
+    """A residual (``residual=``): a tensor of ``input``'s shape, dtype and device."""
+    if type(residual) is torch.Tensor and residual.shape == input.shape and residual.dtype is input.dtype and (
+            residual.device == input.device):
+        return residual  # the common case: three comparisons
+    check_tensor(op, "residual", residual, dtypes=INPUT_DTYPES)
+    if residual.shape != input.shape:
+        _fail(ValueError, op, "residual", f"has shape {tuple(residual.shape)} but input has shape {tuple(input.shape)}")
+    if residual.dtype is not input.dtype:
+        _fail(TypeError, op, "residual", f"has dtype {residual.dtype} but input has dtype {input.dtype}")
+    check_same_device(op, "residual", residual, input)
+    return residual
+
+
 _FAST_DTYPES = frozenset(SUPPORTED_DTYPES)
 _F32 = torch.float32
 

@@ -64,16 +64,16 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
 
 
 def spec_for(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype, device_index: int,
-             batch: int = 1, offset: bool = False) -> NormSpec:
+             batch: int = 1, offset: bool = False, residual: bool = False) -> NormSpec:
     """The one place a call's :class:`NormSpec` is made: ``x`` is the ``[rows, N]`` view
     the graph reads (real or meta tensor). The ops and ``cudnorm.warmup`` both use it, so a
     warmed-up spec is exactly the one a later call asks for. ``scale_dtype`` is the dtype
     the graph reads the scale in (a backward also writes dW/dB in it); ``offset``: the graph
-    scales by ``weight + offset`` (a nonzero weight offset)."""
+    scales by ``weight + offset`` (a nonzero weight offset); ``residual``: a fused residual add."""
     rows, cols = x.shape
     # tuple.__new__ skips NormSpec.__new__'s defaults handling: this runs on every call
     return _new_tuple(NormSpec, (op, phase, rows, cols, x.dtype, scale_dtype, device_index, x.stride(0), batch,
-                                 autotune_wanted(op, phase, rows, cols), False, offset))
+                                 autotune_wanted(op, phase, rows, cols), False, offset, residual))
 
 
 def native_forward(x: torch.Tensor) -> bool:

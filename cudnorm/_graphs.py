@@ -22,7 +22,7 @@ from ._spec import NormSpec
 # Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
 UIDS = {
     "x": 1, "scale": 2, "bias": 3, "eps": 4, "y": 5, "mean": 6, "rstd": 7,
-    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11, "offset": 12,
+    "dy": 8, "dx": 9, "dscale": 10, "dbias": 11, "offset": 12, "residual": 13, "h": 14,
 }
 
 
@@ -30,8 +30,12 @@ def roles(spec: NormSpec) -> tuple[str, ...]:
     """The buffers a graph reads and writes, in the order :meth:`Plan.run` and
     :meth:`Plan.launch` take them: ascending uid (:data:`UIDS`), the order of the backend's
     variant-pack slots, so a launch passes its addresses without reordering them. A graph
-    with a weight offset reads it last (the host scalar ``offset``)."""
-    return _ROLES[spec.op != "rms_norm", spec.phase] + (("offset",) if spec.offset else ())
+    with a weight offset reads it after those (the host scalar ``offset``); a forward with a
+    fused residual add reads ``residual`` and writes ``h`` last."""
+    extra = ("offset",) if spec.offset else ()
+    if spec.residual:
+        extra += ("residual", "h")
+    return _ROLES[spec.op != "rms_norm", spec.phase] + extra
 
 
 _ROLES = {  # (has mean and bias, phase) -> roles without the offset
@@ -59,8 +63,8 @@ def buffer_shapes(spec: NormSpec) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         param = ((spec.cols,), spec.scale_dtype)
         dparam = ((spec.cols,), spec.scale_dtype)
     stat = ((spec.rows,), f32)
-    table = {"x": x, "y": x, "dy": x, "dx": x, "scale": param, "bias": param, "dscale": dparam,
-             "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32), "offset": ((1,), f32)}
+    table = {"x": x, "y": x, "dy": x, "dx": x, "residual": x, "h": x, "scale": param, "bias": param,
+             "dscale": dparam, "dbias": dparam, "mean": stat, "rstd": stat, "eps": ((1,), f32), "offset": ((1,), f32)}
     return {r: table[r] for r in roles(spec)}
 
 
@@ -100,12 +104,20 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
         node_out.set_output(True).set_data_type(dtype).set_uid(UIDS[role])
         # explicit layouts: outputs are packed even when x has padded rows, and the
         # frontend's shape inference for AdaLN stats is not final before validate()
-        dims, strides = {"y": (xd, _packed(xd)), "dx": (xd, _packed(xd)), "mean": (sd, ss), "rstd": (sd, ss),
+        dims, strides = {"y": (xd, _packed(xd)), "dx": (xd, _packed(xd)), "h": (xd, _packed(xd)),
+                         "mean": (sd, ss), "rstd": (sd, ss),
                          "dscale": (pd, ps), "dbias": (pd, ps)}[role]
         node_out.set_dim(dims).set_stride(strides)
         t[role] = node_out
 
     tensor("x", xd, xs, io)
+    norm_in = t["x"]
+    if spec.residual:
+        # the prenorm residual stream: h = x + residual, written out and normalised in one pass
+        # (the norm reads h before rounding to the activation dtype)
+        tensor("residual", xd, _packed(xd), io)
+        norm_in = g.add(name="residual_add", a=t["x"], b=t["residual"], compute_data_type=f32)
+        output("h", norm_in, io)
     # Every graph reads the scale in its memory dtype, and a backward writes dscale/dbias in
     # that dtype too: the graph accumulates them in fp32 and rounds once, as PyTorch's own
     # backward does, so half-precision weights need no cast kernels around the launch and
@@ -128,12 +140,12 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
         if spec.op == "rms_norm":
             dx, dscale, _ = g.rmsnorm_backward(name="norm_bwd", grad=t["dy"], input=t["x"], scale=scale,
                                                inv_variance=t["rstd"], has_dbias=False)
-            outs = (("dx", dx, io), ("dscale", dscale, grad_dtype))
+            outs = [("dx", dx, io), ("dscale", dscale, grad_dtype)]
         else:
             op = g.layernorm_backward if spec.op == "layer_norm" else g.adalayernorm_backward
             dx, dscale, dbias = op(name="norm_bwd", grad=t["dy"], input=t["x"], scale=scale, mean=t["mean"],
                                    inv_variance=t["rstd"])
-            outs = (("dx", dx, io), ("dscale", dscale, grad_dtype), ("dbias", dbias, grad_dtype))
+            outs = [("dx", dx, io), ("dscale", dscale, grad_dtype), ("dbias", dbias, grad_dtype)]
     else:
         bias = None
         if spec.op != "rms_norm":
@@ -141,11 +153,11 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
         eps = tensor("eps", hs, hs_stride, f32, is_pass_by_value=True)
         phase = cudnn.norm_forward_phase.TRAINING if spec.phase == "train" else cudnn.norm_forward_phase.INFERENCE
         if spec.op == "rms_norm":
-            y, rstd = g.rmsnorm(name="norm", norm_forward_phase=phase, input=t["x"], scale=scale, epsilon=eps)
+            y, rstd = g.rmsnorm(name="norm", norm_forward_phase=phase, input=norm_in, scale=scale, epsilon=eps)
             mean = None
         else:
             op = g.layernorm if spec.op == "layer_norm" else g.adalayernorm
-            y, mean, rstd = op(name="norm", norm_forward_phase=phase, input=t["x"], scale=scale, bias=bias, epsilon=eps)
+            y, mean, rstd = op(name="norm", norm_forward_phase=phase, input=norm_in, scale=scale, bias=bias, epsilon=eps)
         outs = [("y", y, io)]
         if spec.phase == "train":
             if mean is not None:

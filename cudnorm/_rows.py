@@ -49,7 +49,7 @@ from ._spec import NormSpec
 CHUNK_ROWS = {"train": (16384, 4096, 1024), "infer": (16384, 4096, 1024), "bwd": (16384, 4096)}
 DYNAMIC_PHASES = frozenset({"train", "infer"})
 
-_ROW_ROLES = frozenset({"x", "y", "dy", "dx", "mean", "rstd"})
+_ROW_ROLES = frozenset({"x", "y", "dy", "dx", "mean", "rstd", "residual", "h"})
 _STAT_ROLES = ("mean", "rstd")
 _SUM_ROLES = ("dscale", "dbias")
 

@@ -19,7 +19,7 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 _FIELDS = ("op", "phase", "rows", "cols", "x_dtype", "scale_dtype", "device_index", "x_row_stride", "batch",
-           "autotune", "dynamic", "offset")
+           "autotune", "dynamic", "offset", "residual")
 
 
 class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
@@ -44,16 +44,20 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
         dynamic: built as a dynamic-shape graph sharing a kernel cache with its siblings
             (the row-chunk graphs of :mod:`cudnorm._rows`: later builds reuse compiled kernels).
         offset: the graph scales by ``weight + offset`` (Gemma's RMSNorm: ``1 + weight``),
-            the offset a pass-by-value input added inside the graph in fp32, so one graph
-            serves every offset value and no kernel runs before the launch.
+            the offset a pass-by-value input added inside the graph in fp32, so no kernel
+            runs before the launch (cuDNN takes only an offset of 1.0).
+        residual: a forward with a fused residual add: the graph reads ``residual``
+            (``[rows, cols]``, packed), writes ``h = x + residual`` and normalises ``h``
+            (the backward is the plain one on ``h``: cuDNN declines an add after it).
     """
 
     __slots__ = ()
 
     def __new__(cls, op, phase, rows, cols, x_dtype, scale_dtype, device_index, x_row_stride=None, batch=1,
-                autotune=False, dynamic=False, offset=False):
+                autotune=False, dynamic=False, offset=False, residual=False):
         return tuple.__new__(cls, (op, phase, rows, cols, x_dtype, scale_dtype, device_index,
-                                   cols if x_row_stride is None else x_row_stride, batch, autotune, dynamic, offset))
+                                   cols if x_row_stride is None else x_row_stride, batch, autotune, dynamic, offset,
+                                   residual))
 
     def validate(self) -> "NormSpec":
         """Raise ``ValueError`` for an unknown op/phase or a shape that is not positive."""
@@ -63,6 +67,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             raise ValueError(f"cudnorm: unknown phase {self.phase!r}; expected one of {PHASES}")
         if self.offset and self.op == "ada_layer_norm":
             raise ValueError("cudnorm: a weight offset is for LayerNorm/RMSNorm graphs, not AdaLN")
+        if self.residual and (self.op == "ada_layer_norm" or self.phase == "bwd"):
+            raise ValueError("cudnorm: a fused residual add is for LayerNorm/RMSNorm forward graphs")
         if min(self.rows, self.cols, self.batch) < 1 or self.rows % self.batch or self.x_row_stride < self.cols:
             raise ValueError(f"cudnorm: inconsistent NormSpec sizes {self!r}")
         return self
@@ -107,6 +113,8 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             parts.append("dynamic")
         if self.offset:
             parts.append("offset")
+        if self.residual:
+            parts.append("residual")
         return "-".join(parts)
 
 

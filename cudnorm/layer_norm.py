@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _call_plans, _checks, _dispatch, _policy
+from . import _call_plans, _checks, _dispatch, _fused_add, _policy
 from ._graphs import Plan, eps_scalar
 
 _OP = "layer_norm"
@@ -210,7 +210,8 @@ _LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _forward, _s
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+               bias: torch.Tensor | None = None, eps: float = 1e-5, *,
+               residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Layer normalisation over the trailing ``normalized_shape`` dims, like
     :func:`torch.nn.functional.layer_norm`.
 
@@ -220,6 +221,9 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
         weight: ``normalized_shape``-shaped, float32 or ``input.dtype``, or ``None``.
         bias: like ``weight``.
         eps: added to the variance; finite and >= 0.
+        residual: the pre-norm residual stream, like ``input``: the op then normalises
+            ``h = input + residual`` and returns ``(y, h)``, the add fused into the norm's
+            graph (:mod:`cudnorm._fused_add`); ``input`` and ``residual`` get the same gradient.
 
     Returns:
         ``input``-shaped tensor in ``input.dtype``. With grad enabled and any argument
@@ -231,6 +235,9 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     to ``input.dtype`` (what ``torch.autocast`` does) while gradients stay fp32-accurate.
     """
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    if residual is not None:
+        _checks.check_residual(_OP, residual, input)
+        return _fused_add.call(input, residual, normalized_shape, n, weight, bias, eps, False)
     if _policy.torch_serves(input, weight, bias):  # small or compiled calls: PyTorch's own op
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         return torch.layer_norm(input, shape, weight, bias, eps)

@@ -51,6 +51,26 @@ class RMSNorm(torch.nn.RMSNorm):
         return rms_norm(input, self.normalized_shape, weight, self.eps)
 
 
+class FusedAddLayerNorm(LayerNorm):
+    """:class:`LayerNorm` with the pre-norm residual add fused in: ``forward(input, residual)``
+    returns ``(layer_norm(h), h)`` with ``h = input + residual`` (both ``[*, *normalized_shape]``,
+    one dtype). Parameters and ``state_dict`` are :class:`torch.nn.LayerNorm`'s."""
+
+    def forward(self, input: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(y, h)``: the normalised sum and the sum itself (the next residual)."""
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with the pre-norm residual add fused in, like Liger's
+    ``LigerFusedAddRMSNorm``: ``forward(input, residual)`` returns ``(rms_norm(h), h)`` with
+    ``h = input + residual``. Parameters and ``state_dict`` are :class:`torch.nn.RMSNorm`'s."""
+
+    def forward(self, input: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(y, h)``: the normalised sum and the sum itself (the next residual)."""
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
+
+
 class AdaLayerNorm(torch.nn.Module):
     """DiT's ``modulate(norm(x), shift, scale)``, fused: ``layer_norm(x) * (1 + scale) + shift``
     with a non-affine LayerNorm. No parameters: shift/scale come from the caller.

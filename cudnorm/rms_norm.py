@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _call_plans, _checks, _dispatch, _policy
+from . import _call_plans, _checks, _dispatch, _fused_add, _policy
 from ._graphs import Plan, eps_scalar
 
 _OP = "rms_norm"
@@ -208,7 +208,8 @@ _RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _forward, _setup
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight: torch.Tensor | None = None,
-             eps: float | None = None, *, weight_offset: float = 0.0) -> torch.Tensor:
+             eps: float | None = None, *, weight_offset: float = 0.0,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Root-mean-square normalisation over the trailing dims, like
     :func:`torch.nn.functional.rms_norm`.
 
@@ -222,6 +223,9 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
             an offset of ``1.0`` inside the graph, so it costs no extra kernel (other offsets
             run PyTorch's ops, which cuDNN does not take). The weight's gradient is unchanged
             by it.
+        residual: the pre-norm residual stream, like ``input``: the op then normalises
+            ``h = input + residual`` and returns ``(y, h)``, the add fused into the norm's
+            graph (:mod:`cudnorm._fused_add`); ``input`` and ``residual`` get the same gradient.
 
     Returns:
         ``input``-shaped tensor in ``input.dtype`` (training graph when grad is needed,
@@ -234,6 +238,9 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight}, eps)
     if weight_offset:
         weight_offset = _checks.check_offset(_OP, weight_offset)
+    if residual is not None:
+        _checks.check_residual(_OP, residual, input)
+        return _fused_add.call(input, residual, normalized_shape, n, weight, None, eps, True, weight_offset)
     if _policy.torch_serves(input, weight):  # small or compiled calls: PyTorch's own op
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         if weight_offset:  # Gemma's formula: one rounding, at the end

@@ -88,6 +88,27 @@ def test_weight_offset_is_added_inside_the_graph(op, phase):
         _spec("ada_layer_norm", phase, offset=True).validate()
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("phase", ["train", "infer"])
+def test_residual_add_feeds_the_norm_and_is_written(op, phase):
+    """``residual=True`` forward: one pointwise ADD of ``x`` and ``residual``; its output is
+    the graph's ``h`` (packed, x's dtype) and the norm's input, so the sum is read once."""
+    spec = _spec(op, phase, residual=True)
+    graph, uids = _graphs.build_ir(spec)
+    info, io = _io(graph)
+    assert _graphs.roles(spec)[-2:] == ("residual", "h") and {t["uid"] for t in io.values()} == set(uids)
+    adds = [n for n in info["nodes"] if n["type"] == "POINTWISE"]
+    assert len(adds) == 1 and set(adds[0]["inputs"].values()) == {"x", "residual"}
+    h = next(t for t in io.values() if t["uid"] == _graphs.UIDS["h"])
+    assert h["dim"][:2] == [spec.rows, spec.cols] and str(h["dtype"]).endswith("BFLOAT16")
+    norm = next(n for n in info["nodes"] if n["type"] != "POINTWISE")
+    assert norm["inputs"]["input"] == adds[0]["outputs"]["OUT_0"]
+    assert spec.slug().endswith("-residual") and NormSpec.from_json(spec.to_json()) == spec
+    for bad in (_spec("ada_layer_norm", phase, residual=True), _spec(op, "bwd", residual=True)):
+        with pytest.raises(ValueError, match="residual"):
+            bad.validate()
+
+
 def test_padded_rows_layout():
     spec = NormSpec("rms_norm", "train", 8, 100, torch.bfloat16, torch.bfloat16, 0, x_row_stride=128)
     _, io = _io(_graphs.build_ir(spec)[0])

@@ -134,6 +134,54 @@ def test_weight_offset_on_cudnn(n, dtype, wkind, fresh_cache):
     torch.testing.assert_close(infer, cudnorm.rms_norm(x, (n,), w.requires_grad_(), 1e-6, weight_offset=1.0).detach())
 
 
+def _check_fused_add(x, r, params, rms):
+    n = x.shape[-1]
+    if rms:
+        fn = lambda x, r, w: torch.cat(cudnorm.rms_norm(x, (n,), w, 1e-6, residual=r), -1)  # noqa: E731
+        base = lambda x, r, w: torch.cat((F.rms_norm(x + r, (n,), w.to(x.dtype), 1e-6), x + r), -1)  # noqa: E731
+        want = lambda x, r, w: torch.cat((ref.rms_norm(x + r, w, 1e-6), x + r), -1)  # noqa: E731
+        names = ("out", "dx", "dresidual", "dw")
+    else:
+        fn = lambda x, r, w, b: torch.cat(cudnorm.layer_norm(x, (n,), w, b, 1e-5, residual=r), -1)  # noqa: E731
+        base = lambda x, r, w, b: torch.cat(  # noqa: E731
+            (F.layer_norm(x + r, (n,), w.to(x.dtype), b.to(x.dtype), 1e-5), x + r), -1)
+        want = lambda x, r, w, b: torch.cat((ref.layer_norm(x + r, w, b, 1e-5), x + r), -1)  # noqa: E731
+        names = ("out", "dx", "dresidual", "dw", "db")
+    before = cudnorm.cache_info().declined
+    rows = ref.accuracy_report(fn, base, want, (x, r, *params), torch.randn(x.shape[0], 2 * n, device="cuda").to(x.dtype),
+                               names, x.dtype)
+    assert cudnorm.cache_info().declined == before, "cuDNN declined a configuration"
+    assert all(row["ok"] for row in rows), rows
+
+
+@pytest.mark.parametrize("n", [1024, 4096, 16384])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "ln"])
+def test_fused_residual_add_on_cudnn(rms, dtype, n, fresh_cache):
+    """``residual=``: forward (fused graph up to FUSED_FORWARD_MAX_COLS columns, PyTorch's add and
+    the plain graph above) and backward within the 2x rule, on exact and row-chunked graphs."""
+    from cudnorm import _cache, _fused_add
+    fn_name = "rms_norm" if rms else "layer_norm"
+    params = [(1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)]
+    if not rms:
+        params.append((0.1 * torch.randn(n, device="cuda")).to(dtype))
+    m = _rows(n)
+    _check_fused_add(torch.randn(m, n, device="cuda").to(dtype), torch.randn(m, n, device="cuda").to(dtype), params, rms)
+    with cudnorm.config(exact_rows=1, exact_after=1):
+        _check_fused_add(torch.randn(300, n, device="cuda").to(dtype), torch.randn(300, n, device="cuda").to(dtype),
+                         params, rms)
+    fused = {s.phase for s in _cache.plans.specs() if s.residual}
+    assert fused == ({"train"} if n <= _fused_add.FUSED_FORWARD_MAX_COLS[fn_name] else set()), fused
+    x, r = torch.randn(64, n, device="cuda").to(dtype), torch.randn(64, n, device="cuda").to(dtype)
+    fn = getattr(cudnorm, fn_name)
+    with torch.no_grad():
+        y, h = fn(x, n, *params, residual=r)
+    torch.testing.assert_close(h, x + r)
+    x.requires_grad_()
+    y_train, _ = fn(x, n, *params, residual=r)
+    torch.testing.assert_close(y, y_train.detach())
+
+
 def test_no_grad_runs_inference_graph(fresh_cache):
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, device="cuda", requires_grad=True)
