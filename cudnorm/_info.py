@@ -94,14 +94,3 @@ def info() -> dict:
     out["paths"] = {op: serving_path(op) for op in OPS}
     out["config"] = dataclasses.asdict(_settings.current)
     return out
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def run(args) -> int:
-    from .cli import print_json_or_table  # noqa: PLC0415
-
-    print_json_or_table(info(), args.json)
-    return 0

@@ -35,7 +35,6 @@ import json
 import os
 import stat
 import struct
-import sys
 import tempfile
 import time
 import warnings
@@ -380,8 +379,9 @@ def _reinstall(old: _settings.Config, new: _settings.Config) -> None:
 _settings.on_change(_reinstall)
 
 
-def _current() -> PlanStore:
-    """The installed store, or a disabled one at the configured place (to inspect or clear)."""
+def current_store() -> PlanStore:
+    """The installed store, or a disabled one at the configured place (to inspect or clear:
+    ``cudnorm cache``)."""
     store = _dispatch._plan_store
     if isinstance(store, PlanStore):
         return store
@@ -391,72 +391,10 @@ def _current() -> PlanStore:
 def plan_store_info() -> dict:
     """The on-disk plan store: ``path``, ``enabled``, ``writable``, ``entries``, ``bytes``,
     ``max_bytes`` (entries and bytes count every fingerprint directory)."""
-    return _current().info()
+    return current_store().info()
 
 
 def clear_plan_store() -> int:
     """Delete every stored plan; returns the number of files removed. The in-memory cache
     is untouched (see :func:`cudnorm.clear_cache`)."""
-    return _current().clear()
-
-
-# -- `cudnorm cache info|clear` -------------------------------------------------------------
-def add_arguments(parser) -> None:
-    parser.add_argument("action", choices=("info", "clear"), help="show the store, or delete every entry")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def run(args) -> int:
-    from .cli import print_json_or_table  # noqa: PLC0415
-
-    store = _current()
-    if args.action == "clear":
-        try:
-            removed = store.clear()
-        except PermissionError as exc:
-            print(f"cudnorm cache clear: {exc}", file=sys.stderr)
-            return 1
-        print(f"removed {removed} file(s) from {store.root}")
-        return 0
-    summary = store.info()
-    entries = store.entries()
-    if args.json:
-        print(json.dumps({**summary, "files": entries}, indent=2, default=str))
-        return 0
-    print_json_or_table({**summary, "bytes": _size(summary["bytes"]), "max_bytes": _size(summary["max_bytes"])}, False)
-    if entries:
-        print()
-        print_table([_entry_row(e) for e in entries], ("op", "phase", "shape", "dtype", "gpu", "plan", "size", "age"))
-    return 0
-
-
-def _entry_row(entry: dict) -> dict:
-    age, size = _age(entry["age_s"]), _size(entry["bytes"])
-    if "error" in entry:
-        return {"op": Path(entry["path"]).name, "phase": "-", "shape": "-", "dtype": "-", "gpu": "-",
-                "plan": f"unreadable: {entry['error']}", "size": size, "age": age}
-    h = entry["header"]
-    spec = h["spec"]
-    shape = f"{spec['rows']}x{spec['cols']}" + (f" (b{spec['batch']})" if spec.get("batch", 1) != 1 else "")
-    return {"op": spec["op"], "phase": spec["phase"], "shape": shape,
-            "dtype": f"{spec['x_dtype']}/{spec['scale_dtype']}", "gpu": h["fingerprint"].get("gpu", "?"),
-            "plan": h.get("plan_name", "?"), "size": size, "age": age}
-
-
-def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
-    """Left-aligned columns with a header line (shared by ``cache info`` and ``warmup``)."""
-    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in columns}
-    print("  ".join(f"{c:<{widths[c]}}" for c in columns).rstrip())
-    for r in rows:
-        print("  ".join(f"{str(r.get(c, '')):<{widths[c]}}" for c in columns).rstrip())
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MB" if n >= 1 << 20 else f"{n / 1024:.1f} KB"
-
-
-def _age(seconds: float) -> str:
-    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= span:
-            return f"{seconds / span:.0f} {unit}"
-    return f"{seconds:.0f} s"
+    return current_store().clear()

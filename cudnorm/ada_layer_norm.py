@@ -599,7 +599,7 @@ def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype
 
 
 def check_cases(device: str, dtypes):
-    """``cudnorm check`` cases (see ``cudnorm._check._cases`` for the tuple format):
+    """``cudnorm check`` cases (see ``cudnorm._self_check._cases`` for the tuple format):
     both conventions, fp32 and activation-dtype scale/shift, DiT-like shape."""
     b, s, d = 4, 250, 1152
     for dtype in dtypes:

@@ -24,7 +24,7 @@ def test_quick_run_writes_every_case(tmp_path, capsys):
     rows = _rows(tmp_path / "models.csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bound = 1e-3 if device == "cpu" else 5e-2  # fp32 on the CPU, bf16 models on a GPU
-    expected = {c.id for c in models.select(model_zoo.all_cases(quick=True), None, device, quick=True)}
+    expected = {c.id for c in model_zoo.select(model_zoo.all_cases(quick=True), None, device, quick=True)}
     assert {r["case"] for r in rows} == expected
     assert not any(r["mode"] == "train-compile" for r in rows)  # only when asked for, in quick mode
     for case in expected:
@@ -57,15 +57,15 @@ def test_filter_selects_cases(tmp_path):
 
 def test_select_and_unknown_filter():
     cases = model_zoo.all_cases(quick=False)
-    ids = {c.id for c in models.select(cases, "llama-4096:decode,gpt2", "cuda", quick=False)}
+    ids = {c.id for c in model_zoo.select(cases, "llama-4096:decode,gpt2", "cuda", quick=False)}
     assert ids == {"llama-4096:decode-b1", "llama-4096:decode-b32", "gpt2-1024-b8-s1024:train",
                    "gpt2-1024-b8-s1024:train-compile"}
-    assert "dit-1152-b8-s1024:train-compile" in {c.id for c in models.select(cases, None, "cuda", quick=False)}
-    on_cpu = models.select(cases, "dit-1152-b8", "cpu", quick=False)
+    assert "dit-1152-b8-s1024:train-compile" in {c.id for c in model_zoo.select(cases, None, "cuda", quick=False)}
+    on_cpu = model_zoo.select(cases, "dit-1152-b8", "cpu", quick=False)
     assert on_cpu and not any(c.compiled for c in on_cpu)  # compile only when the filter names it
-    assert {c.mode for c in models.select(cases, "dit-1152-b8-s1024:train-compile", "cpu", quick=False)} == {
+    assert {c.mode for c in model_zoo.select(cases, "dit-1152-b8-s1024:train-compile", "cpu", quick=False)} == {
         "train-compile"}
-    exact = models.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
+    exact = model_zoo.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
     assert [c.id for c in exact] == ["dit-1152-b8-s256:train", "gpt2-1024-b8-s1024:train-compile"]
     assert cli.main(["bench", "--models", "no-such-model", "--quick"]) == 2
     assert cli.main(["bench", "--models", "--quick", "--providers", "torch,nope"]) == 2

@@ -159,6 +159,17 @@ def test_cli_output_into_a_closed_pipe_has_no_traceback():
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
 
 
+@pytest.mark.parametrize("argv", [["bench", "--ops", "nope"], ["bench", "--providers", "nope", "--quick"]])
+def test_cli_bad_option_values_are_one_line_errors(argv, capsys):
+    """A value the command cannot use is reported in one line with argparse's usage status 2,
+    not a traceback."""
+    from cudnorm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cudnorm: error: cudnorm bench: argument '--") and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("build", [lambda: cudnorm.AdaLayerNormZero(64, 1000),  # diffusers: num_embeddings
                                    lambda: cudnorm.AdaLayerNormContinuous(64, 32, False, 1e-6),  # diffusers' order
                                    lambda: cudnorm.AdaLayerNorm(64, 10)])

@@ -1,16 +1,5 @@
-"""``cudnorm bench``: cudnorm against its peers, checked, timed, tabulated and plotted.
-
-Run::
-
-    cudnorm bench                      # full run on the GPU (sized for < 8 min on one H100;
-                                       # summary.md records the real run time)
-    cudnorm bench --quick              # two small shapes, any device (CI runs this on CPU)
-    cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack --shapes 32768x4096
-    cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
-    cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNG, reprint
-    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, Llama, GPT-2): models.py
-
-(``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
+"""The benchmark behind ``cudnorm bench`` (:mod:`cudnorm.cli.bench` parses and prints):
+cudnorm against its peers, checked, timed, tabulated and plotted.
 
 What it does, in order: measures the copy bandwidth (a 2 GiB device-to-device copy; 64 MiB
 on the CPU); on a GPU, unless filtered, captures a small training step in a CUDA graph and
@@ -52,69 +41,29 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import shlex
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from . import cuda_graph, host_overhead, report, runner
 from .._progress import progress
-from .._spec import dtype_from_name
-from . import providers as _providers
-from .providers import OPS
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PEER_DISTRIBUTIONS = ("nvidia-cudnn-frontend", "triton", "liger-kernel", "quack-kernels")
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a few small shapes that finish in seconds (CI)")
-    parser.add_argument("--ops", help=f"comma-separated subset of {','.join(OPS)}")
-    parser.add_argument("--providers", help=f"comma-separated subset of {','.join(_providers.REGISTRY)}")
-    parser.add_argument("--shapes", help="comma-separated MxN (LN/RMS) and BxSxD (AdaLN) shapes")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype (default bf16)")
-    parser.add_argument("--out", help="output folder (default benchmarks/results/<gpu-name or cpu>)")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="CUDA-graph section (GPU; on by default in a full run)")
-    parser.add_argument("--host-overhead", action="store_true",
-                        help="host us/call section (GPU; on by default in a full run)")
-    parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
-                        help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
-                             "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
-    parser.add_argument("--from-csv", metavar="CSV",
-                        help="run nothing: redraw the PNG and reprint the tables of a bench.csv")
-
-
-def _pick(text: str | None, known, what: str) -> list[str]:
-    if not text:
-        return list(known)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"cudnorm bench: argument '--{what}' has unknown {unknown}; expected some of {list(known)}")
-    return names
-
-
-def _device_slug(device: str) -> str:
+def device_slug(device: str) -> str:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _command(args) -> str:
-    models = getattr(args, "models", None)
-    parts = ["cudnorm", "bench"] + (["--models"] + ([] if models == "all" else [models]) if models else [])
-    parts += ["--quick"] if args.quick else []
-    for flag in ("ops", "providers", "shapes", "dtype", "out"):
-        value = getattr(args, flag)
-        if value and not (flag == "dtype" and value == "bf16"):
-            parts += [f"--{flag}", value]
-    parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
-    return shlex.join(parts)
+def default_out(device: str) -> Path:
+    """Where a run writes unless told: ``benchmarks/results/<gpu-name or cpu>``."""
+    return Path("benchmarks") / "results" / device_slug(device)
 
 
-def _versions() -> str:
+def versions() -> str:
+    """cudnorm, torch, the peers' distributions that are installed and cuDNN, on one line."""
     import cudnorm  # noqa: PLC0415
 
     found = [f"cudnorm {cudnorm.__version__}", f"torch {torch.__version__}"]
@@ -147,14 +96,14 @@ def _host_breakdown_section(out: Path):
     return host_overhead.BREAKDOWN_HOW, lines
 
 
-def _extras(args, device: str, out: Path) -> list[tuple[str, str, list]]:
-    """The CUDA-graph and host-overhead sections: ``(title, how measured, table)``. On a GPU
-    they run when asked for, or in a plain (unfiltered, non-quick) run; a failure is reported
-    in its section and the benchmark goes on."""
-    plain = not (args.quick or args.ops or args.providers or args.shapes)
-    wanted = [("CUDA graphs: training step, eager vs replay", args.cuda_graph, _cuda_graph_section),
-              ("Host time per call, same and fresh tensors", args.host_overhead, _host_overhead_section),
-              ("Where the host time of a call goes", args.host_overhead, _host_breakdown_section)]
+def extras(device: str, out: Path, *, graphs: bool, host: bool, plain: bool) -> list[tuple[str, str, list]]:
+    """The CUDA-graph and host-overhead sections: ``(title, how measured, table)``, their CSVs
+    written to ``out``. On a GPU they run when asked for (``graphs``, ``host``), or in a
+    ``plain`` (unfiltered, non-quick) run; a failure is reported in its section and the
+    benchmark goes on."""
+    wanted = [("CUDA graphs: training step, eager vs replay", graphs, _cuda_graph_section),
+              ("Host time per call, same and fresh tensors", host, _host_overhead_section),
+              ("Where the host time of a call goes", host, _host_breakdown_section)]
     sections = []
     for title, asked, section in wanted:
         if device != "cuda":
@@ -170,83 +119,17 @@ def _extras(args, device: str, out: Path) -> list[tuple[str, str, list]]:
     return sections
 
 
-def _print_tables(rows: list[dict], providers: list[str], copy_gbps: float) -> dict:
-    tables = report.op_tables(rows, providers)
-    print("\n" + report.LEGEND)
-    for op, lines in tables.items():
-        print(f"\n{op}  GB/s  (copy {copy_gbps:.0f} GB/s)\n{report.text_table(lines)}")
-    return tables
-
-
-def _from_csv(path: Path) -> int:
-    """Redraw ``bench.png`` next to ``path`` and reprint its tables (e.g. where the GPU
-    machine that ran the benchmark had no matplotlib)."""
-    rows = report.read_csv(path)
-    copy_gbps = next(100.0 * r["gbps"] / r["pct_copy"] for r in rows if r["pct_copy"])
-    png = report.plot(rows, copy_gbps, path.with_suffix(".png"))
-    print(f"redrew {png}" if png else "no PNG: matplotlib is not installed")
-    _print_tables(rows, list(dict.fromkeys(r["provider"] for r in rows)), copy_gbps)
-    return 0
-
-
-def run(args) -> int:
-    import cudnorm  # noqa: PLC0415
-
-    if args.from_csv:
-        return _from_csv(Path(args.from_csv))
-    if getattr(args, "models", None):
-        from . import models  # noqa: PLC0415 - imports this package's helpers
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return models.run(args, Path(args.out or Path("benchmarks") / "results" / _device_slug(device)))
-
-    started = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = dtype_from_name(DTYPES[args.dtype])
-    ops = _pick(args.ops, OPS, "ops")
-    registry = _providers.REGISTRY
-    names = _pick(args.providers, registry, "providers")
-    custom_shapes = runner.parse_shapes(args.shapes) if args.shapes else None
-    if not hasattr(cudnorm, "ada_layer_norm"):
-        dropped = [op for op in ops if op.startswith("ada")]
-        ops = [op for op in ops if op not in dropped]
-        if dropped and args.ops:
-            print(f"note: {','.join(dropped)} skipped: this cudnorm has no ada_layer_norm")
-    chosen = []
-    print(f"cudnorm bench on {device} ({_versions()})")
-    for name in names:
-        why = registry[name].unavailable(device, requested=bool(args.providers))
-        print(f"  provider {name:<10} {'available' if why is None else why}")
-        if why is None:
-            chosen.append(registry[name])
-    out = Path(args.out or Path("benchmarks") / "results" / _device_slug(device))
-    out.mkdir(parents=True, exist_ok=True)
-    timer, timer_text = runner.make_timer(device)
-    copy_gbps = runner.copy_bandwidth(device, timer)
-    print(f"copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, read + write; timer: {timer_text})")
-    sections = _extras(args, device, out)
-
+def run_ops(ops: list[str], providers: list, dtype: torch.dtype, device: str, timer, copy_gbps: float, out: Path, *,
+            quick: bool, shapes: list[tuple[int, ...]] | None) -> list[dict]:
+    """Every op of ``ops`` at every shape of its family (``shapes``, or the defaults), each
+    provider checked and, when right, timed. ``out/bench.csv`` is kept current, so an
+    interrupted run leaves data; the returned rows carry the speed-ups."""
     families = [f for f in ("ln", "rms", "ada") if any(op.startswith(f + "_") for op in ops)]
-    cases = [(f, s) for f in families for s in runner.shapes_for(f, args.quick, custom_shapes)]
+    cases = [(f, s) for f in families for s in runner.shapes_for(f, quick, shapes)]
     rows: list[dict] = []
     for family, shape in progress(cases, len(cases), "cudnorm bench"):
-        rows += runner.run_case(family, shape, ops, chosen, dtype, device, timer, copy_gbps)
-        report.write_csv(rows, out / "bench.csv")  # kept current, so an interrupted run leaves data
+        rows += runner.run_case(family, shape, ops, providers, dtype, device, timer, copy_gbps)
+        report.write_csv(rows, out / "bench.csv")
     report.add_speedups(rows)
     report.write_csv(rows, out / "bench.csv")
-    png = report.plot(rows, copy_gbps, out / "bench.png")
-    meta = {"command": _command(args), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "versions": _versions(), "copy bandwidth": f"{copy_gbps:.0f} GB/s", "timer": timer_text,
-            "argv": " ".join(sys.argv), "run time": f"{time.perf_counter() - started:.0f} s"}
-    tables = report.op_tables(rows, [p.name for p in chosen])
-    (out / "summary.md").write_text(report.summary_markdown(meta, tables, sections))
-
-    for title, how, lines in sections:
-        print(f"\n{title}\n{how}\n" + (report.text_table(lines, right=0) if lines else ""))
-    print(f"\nwrote {out / 'bench.csv'}, {out / 'summary.md'}"
-          + (f", {png}" if png else " (no PNG: matplotlib is not installed)") + f" after {meta['run time']}")
-    failed = [r for r in rows if r["provider"] == "cudnorm" and r["status"] != "ok"]
-    for r in failed:
-        print(f"FAILED: cudnorm {r['op']} {r['shape']}: {r['status']}")
-    _print_tables(rows, [p.name for p in chosen], copy_gbps)
-    return 1 if failed else 0
+    return rows

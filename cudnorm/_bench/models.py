@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from . import _command, _versions, model_zoo, report, runner  # the package imports this module lazily
-from .model_zoo import Case, all_cases, select
+from . import model_zoo, report, runner
+from .model_zoo import Case
 from .._progress import progress
 
 COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
@@ -483,61 +482,28 @@ def markdown(meta: dict, lines_by_title: dict[str, list[list[str]]]) -> str:
     return "\n".join(out)
 
 
-# ---------------------------------------------------------------------------------------
-# Command
-
-
-def _providers(names: list[str], device: str) -> tuple[list[str], list[str]]:
-    """(the providers that can run here, torch first; a note on each asked for)."""
+def usable_providers(names: list[str], device: str) -> tuple[list[str], list[str]]:
+    """(the providers of ``names`` that can run here, torch first; a note on each asked for)."""
     names = ["torch", *(n for n in dict.fromkeys(names) if n != "torch")]  # every ratio is against torch
     why = {n: unavailable(n, device) for n in names}
     return [n for n in names if why[n] is None], [f"{n} {why[n] or 'available'}" for n in names]
 
 
-def run(args, out: Path) -> int:
-    """``cudnorm bench --models [FILTER]``: run, write models.csv/.png/.md to ``out``, print
-    the tables last. Returns 1 when a cudnorm row failed, 2 when the arguments select nothing."""
-    started = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    asked = [n.strip() for n in (args.providers or ",".join(DEFAULT_PROVIDERS)).split(",") if n.strip()]
-    unknown = [n for n in asked if n not in PROVIDERS]
-    cases = select(all_cases(args.quick), args.models, device, args.quick)
-    if unknown or not cases:
-        print(f"cudnorm bench --models: unknown providers {unknown}; expected some of {list(PROVIDERS)}" if unknown
-              else f"cudnorm bench --models: no case matches {args.models!r}", file=sys.stderr)
-        return 2
-    providers, notes = _providers(asked, device)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    settings = QUICK_SETTINGS if args.quick else Settings()
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"cudnorm bench --models on {device_name} ({_versions()}), {str(dtype).removeprefix('torch.')}, "
-          f"{len(cases)} cases")
-    print("\n".join(f"  provider {note}" for note in notes))
-    out.mkdir(parents=True, exist_ok=True)
+def run_cases(cases: list[Case], providers: list[str], settings: Settings, device: str, dtype: torch.dtype,
+              out: Path) -> list[dict]:
+    """:func:`run_case` for every case, with those of ``providers`` its model has;
+    ``out/models.csv`` is kept current after every case, so an interrupted run leaves data."""
     rows: list[dict] = []
     for case in progress(cases, len(cases), "cudnorm bench --models"):
         rows += run_case(case, [p for p in providers if p in MODEL_PROVIDERS[case.model]], settings, device, dtype)
-        report.write_csv(rows, out / "models.csv", columns=COLUMNS)  # current after every case
-    meta = {"command": _command(args), "device": device_name, "versions": _versions(),
-            "dtype": str(dtype).removeprefix("torch."),
-            "loop": f"{settings.rounds}-{settings.max_rounds} rounds (until {settings.min_timed_s:g} s of steps) x "
-                    f"K = {settings.steps} steps ({settings.decode_steps} decode), "
-                    f"{settings.warmup} warm-up steps",
-            "providers": "; ".join(notes), "run time": f"{time.perf_counter() - started:.0f} s"}
-    return _write_and_print(rows, meta, out)
+        report.write_csv(rows, out / "models.csv", columns=COLUMNS)
+    return rows
 
 
-def _write_and_print(rows: list[dict], meta: dict, out: Path) -> int:
-    """models.png and models.md, then the failures, legend and tables (last); the exit code."""
+def write_report(rows: list[dict], meta: dict, out: Path) -> tuple[Path | None, dict[str, list[list[str]]]]:
+    """``models.png`` (``None``: matplotlib missing or nothing timed) and ``models.md`` in
+    ``out``; returns the PNG's path and the tables by title."""
     png = plot(rows, meta["device"], out / "models.png")
     lines_by_title = tables(rows)
     (out / "models.md").write_text(markdown(meta, lines_by_title))
-    print(f"\nwrote {out / 'models.csv'}, {out / 'models.md'}"
-          + (f", {png}" if png else " (no PNG: matplotlib missing or nothing timed)") + f" after {meta['run time']}")
-    failed = [r for r in rows if r["provider"].startswith("cudnorm") and not r["status"].startswith("ok")]
-    for r in failed:
-        print(f"FAILED: cudnorm {r['case']}: {r['status']}")
-    print("\n" + LEGEND)
-    for title, lines in lines_by_title.items():
-        print(f"\n{title}\n{report.text_table(lines, right=0)}")
-    return 1 if failed else 0
+    return png, lines_by_title

@@ -1,11 +1,11 @@
-"""``cudnorm check``: the main job of a fresh machine.
+"""Every op forward and backward in every dtype against the fp64 reference: the cases behind
+``cudnorm check`` (:mod:`cudnorm.cli.check` prints them; not the argument checks of
+:mod:`cudnorm._checks`).
 
-Prints ``cudnorm info``, then runs every op forward and backward in every dtype on this
-machine's device (the GPU if there is one, else the CPU fallback) and compares output and
-gradients with the fp64 reference under the 2x-PyTorch-error rule. Exits non-zero on any
-failure, so it doubles as an installation test. Its shapes are small, which the default
-kernel policy hands to PyTorch's ops: the check sends them to cuDNN, the kernels it is
-there to check.
+:func:`check` runs on this machine's device (the GPU if there is one, else the CPU
+fallback) and compares output and gradients with the fp64 reference under the
+2x-PyTorch-error rule. Its shapes are small, which the default kernel policy hands to
+PyTorch's ops: the check sends them to cuDNN, the kernels it is there to check.
 """
 
 from __future__ import annotations
@@ -70,24 +70,3 @@ def check(device: str | None = None) -> list[dict]:
             for r in ref.accuracy_report(candidate, baseline, reference, inputs, dy, names, dtype):
                 rows.append({"case": label, "path": path, **r, "seconds": time.perf_counter() - start})
     return rows
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-
-
-def run(args) -> int:
-    from ._info import info  # noqa: PLC0415
-    from .cli import print_json_or_table  # noqa: PLC0415
-
-    print_json_or_table(info(), False)
-    print()
-    rows = check(args.device)
-    width = max(len(r["case"]) for r in rows)
-    print(f"{'case':<{width}}  {'qty':<8} {'path':<10} {'rel.err':>9} {'torch':>9} {'bound':>9}  result")
-    for r in rows:
-        print(f"{r['case']:<{width}}  {r['name']:<8} {r['path'].split(' ')[0]:<10} {r['error']:9.2e} "
-              f"{r['torch_error']:9.2e} {r['bound']:9.2e}  {'ok' if r['ok'] else 'FAIL'}")
-    failed = [r for r in rows if not r["ok"]]
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
