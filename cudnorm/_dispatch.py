@@ -82,11 +82,6 @@ def native_forward(x: torch.Tensor) -> bool:
     return x.shape[-1] >= NATIVE_FORWARD_MIN_COLS
 
 
-def fp32_weight_mode() -> str:
-    """``"round"`` or ``"native"`` (``Config.fp32_weight_fwd``)."""
-    return _settings.current.fp32_weight_fwd
-
-
 _warned: set = set()
 
 

@@ -322,11 +322,6 @@ class Plan:
         else:
             self.graph.execute(dict(zip(self.uids, pointers)), workspace, handle=state.handle)
 
-    def run_public(self, *buffers: torch.Tensor) -> None:
-        """:meth:`run` through the frontend's public ``execute`` only (tests compare the two)."""
-        state, workspace = _runtime.launch_context(self.spec.device_index, self.workspace_size)
-        self._execute_public(buffers, workspace, state.handle)
-
     def _execute_public(self, buffers, workspace, h) -> None:
         if self.ordered:
             self.graph.execute(buffers, workspace, handle=h, tensor_uids=self.uids)

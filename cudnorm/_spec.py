@@ -78,10 +78,6 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
         """Tokens per sample for AdaLN (``rows // batch``)."""
         return self.rows // self.batch
 
-    def with_rows(self, rows: int) -> "NormSpec":
-        """The same graph for another row count (packed rows)."""
-        return self._replace(rows=rows, x_row_stride=self.cols)
-
     def to_json(self) -> dict:
         """A JSON-able dict (dtypes by name); inverse of :meth:`from_json`."""
         d = self._asdict()

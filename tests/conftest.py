@@ -34,16 +34,18 @@ def fresh_cache():
 def _test_config():
     """Every test runs under ``cudnorm.config(...)`` with the options below, and whatever the
     test changes with ``cudnorm.config`` is undone after it. Numerics tests compare cuDNN's
-    exact-shape graphs with references, so every CUDA call cuDNN can serve goes to cuDNN
+    graphs with references, so every CUDA call cuDNN can serve goes to cuDNN
     (``policy="cudnn"``: their shapes are small enough that the default policy would hand them
-    to PyTorch's ops) and every row count gets its own graph at its first call; tests of the
-    kernel policy and of the row-chunking policy set ``policy`` / ``exact_rows`` /
-    ``exact_after`` themselves. Tests must not read or fill the user's on-disk plan store (it
-    would turn builds into loads between runs): plan-store tests configure their own."""
+    to PyTorch's ops); the row-count policy is the library's default (the first row count of
+    a shape family gets exact graphs, later ones run shared chunk graphs), so the numerics
+    tests run the path users get. Tests of the kernel policy and of the row-chunking policy
+    set ``policy`` / ``exact_rows`` / ``exact_after`` themselves. Tests must not read or fill
+    the user's on-disk plan store (it would turn builds into loads between runs): plan-store
+    tests configure their own."""
     import cudnorm
     from cudnorm import _rows
 
-    with cudnorm.config(policy="cudnn", exact_rows=1_000_000, exact_after=1, plan_store=False):
+    with cudnorm.config(policy="cudnn", plan_store=False):
         _rows.reset()
         yield
     _rows.reset()

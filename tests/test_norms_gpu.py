@@ -379,7 +379,7 @@ def test_raw_execute_matches_public_execute(case):
     outputs = [i for i, r in enumerate(roles) if r in _OUTPUT_ROLES or (spec.phase == "train" and r in ("mean", "rstd"))]
     results = []
     public_only = dataclasses.replace(plan, raw=None)  # raw_execute=False: addresses in the public form
-    for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, plan.run_public,
+    for run in (lambda *b: plan.launch([t.data_ptr() for t in b]), plan.run, public_only.run,
                 lambda *b: public_only.launch([t.data_ptr() for t in b])):
         for i in outputs:
             buffers[i].fill_(float("nan"))
