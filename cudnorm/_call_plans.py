@@ -10,7 +10,7 @@ records what it found and later calls check one dictionary. Only exact plans are
 keeps the row policy's counters and the fallback warnings as they are. A recorded call still
 checks the one thing its signature does not fix, the 16-byte alignment of ``x``'s address.
 
-Every memo (:class:`SignatureMemo`) is emptied by ``cudnorm.clear_cache()``, whenever the plan
+Every memo (:class:`SignatureMemo`, a :class:`cudnorm._lru.LRU`) is emptied by ``cudnorm.clear_cache()``, whenever the plan
 cache evicts (a memo must not keep an evicted plan, and its memory, alive) and whenever the
 settings change, and is bypassed while ``cudnorm.record_specs()`` is recording (every
 spec must be seen then).
@@ -20,38 +20,46 @@ from __future__ import annotations
 
 import torch
 
-from . import _cache, _dispatch, _graphs, _rows, _settings
+from . import _cache, _dispatch, _graphs, _lru, _rows, _settings
 
 _memos: list[SignatureMemo] = []
 
 
-class SignatureMemo:
-    """A bounded dictionary from a call signature to what the call resolved to, valid for
-    one settings object; reads and writes are no-ops while specs are being recorded."""
+class SignatureMemo(_lru.LRU):
+    """An LRU from a call signature to what the call resolved to, valid for one settings
+    object; reads and writes are no-ops while specs are being recorded."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.capacity = capacity
-        self.entries: dict = {}
+    def __init__(self, name: str, capacity: int = 1024) -> None:
+        super().__init__(name, capacity)
         self._settings = None  # the settings the entries were made under
         _memos.append(self)
 
-    def get(self, signature: tuple):
+    def get(self, signature: tuple, default=None, *, count_miss: bool = True):
+        # LRU.get inlined: this runs on every op call
         if self._settings is not _settings.current or _dispatch._recorders:
-            return None
-        return self.entries.get(signature)
+            return default
+        value = self._data.get(signature)
+        if value is None:
+            if count_miss:
+                self.misses += 1
+            return default
+        try:
+            self._data.move_to_end(signature)
+        except KeyError:  # evicted by another thread since the lookup
+            pass
+        self.hits += 1
+        return value
 
     def put(self, signature: tuple, value) -> None:
         if _dispatch._recorders:
             return
         if self._settings is not _settings.current:
-            self.entries.clear()
+            self.clear()
             self._settings = _settings.current
-        if len(self.entries) >= self.capacity:
-            self.entries.clear()
-        self.entries[signature] = value
+        super().put(signature, value)
 
 
-_norm_calls = SignatureMemo()  # LayerNorm / RMSNorm: signature -> exact Plan
+_norm_calls = SignatureMemo("norm_calls")  # LayerNorm / RMSNorm: signature -> exact Plan
 
 
 def rows_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype,
@@ -79,9 +87,10 @@ def rows_plan(op: str, phase: str, x: torch.Tensor, scale_dtype: torch.dtype,
 
 
 def forget() -> None:
-    """Empty every memo (``cudnorm.clear_cache()`` and the plan cache's evictions call this)."""
+    """Empty every memo (the plan cache's evictions call this: a memo must not keep an
+    evicted plan alive)."""
     for memo in _memos:
-        memo.entries.clear()
+        memo.clear()
 
 
 _cache.plans.on_evict(forget)

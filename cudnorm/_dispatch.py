@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from . import _cache, _graphs, _runtime, _settings
+from . import _cache, _graphs, _lru, _runtime, _settings
 from ._spec import NormSpec
 
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
@@ -82,7 +82,7 @@ def native_forward(x: torch.Tensor) -> bool:
     return x.shape[-1] >= NATIVE_FORWARD_MIN_COLS
 
 
-_warned: set = set()
+_warned = _lru.LRU("declined_warnings", 4096)  # spec slugs already warned about (once each)
 
 
 def _build(spec: NormSpec):
@@ -98,7 +98,7 @@ def _build(spec: NormSpec):
     except Exception as exc:  # no engine for this configuration: take the PyTorch path
         _cache.plans.record_build(0.0, declined=True)
         if spec.slug() not in _warned:
-            _warned.add(spec.slug())
+            _warned.put(spec.slug(), True)
             warnings.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
                           RuntimeWarning, stacklevel=4)
@@ -187,7 +187,7 @@ def _rounded(x: torch.Tensor, n: int, dtype: torch.dtype, weight, bias):
     return None, shift_row.copy_(bias)
 
 
-_constants: dict = {}
+_constants = _lru.LRU("constant_vectors", 64)
 
 
 def constant(value: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -195,9 +195,8 @@ def constant(value: float, n: int, dtype: torch.dtype, device: torch.device) -> 
     key = (value, n, dtype, device)
     tensor = _constants.get(key)
     if tensor is None:
-        if len(_constants) > 64:
-            _constants.clear()
-        tensor = _constants[key] = torch.full((n,), value, dtype=dtype, device=device)
+        tensor = torch.full((n,), value, dtype=dtype, device=device)
+        _constants.put(key, tensor)
     return tensor
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _runtime
+from . import _lru, _runtime
 from ._spec import NormSpec
 
 # Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
@@ -177,23 +177,20 @@ def _packed(dims: list[int]) -> list[int]:
     return list(reversed(strides))
 
 
-_SCALARS: dict = {}  # (value, rank) -> (CPU tensor, its address); never evicted (see eps_scalar)
-_MAX_SCALARS = 1024
+_SCALARS = _lru.LRU("host_scalars", 1024)  # (value, rank) -> (CPU tensor, its address)
 
 
 def eps_scalar(value: float, rank: int = 4) -> tuple[torch.Tensor, int]:
     """``(tensor, address)`` of a CPU fp32 tensor of ``rank`` unit dims holding ``value``: the
-    pass-by-value eps input of a forward graph (rank 3 for AdaLN, 4 otherwise), memoised per
-    value. Entries are never evicted (a caller may still hold an address when another
-    thread adds one); past :data:`_MAX_SCALARS` values a fresh tensor is made, which the
-    caller keeps alive until its launch."""
+    pass-by-value eps (or weight offset) input of a forward graph (rank 3 for AdaLN, 4
+    otherwise), memoised per value. The caller holds the tensor until its launch has read
+    it: the memo may evict it meanwhile (another thread adding values), which is then safe."""
     key = (value, rank)
-    found = _SCALARS.get(key)
+    found = _SCALARS.peek(key)
     if found is None:
         tensor = torch.full((1,) * rank, float(value), dtype=torch.float32)
         found = (tensor, tensor.data_ptr())
-        if len(_SCALARS) < _MAX_SCALARS:
-            _SCALARS[key] = found
+        _SCALARS.put(key, found)
     return found
 
 
@@ -329,7 +326,7 @@ class Plan:
             self.graph.execute(dict(zip(self.uids, buffers)), workspace, handle=h)
 
 
-_kernel_caches: dict = {}
+_kernel_caches = _lru.LRU("kernel_caches", 64)
 
 
 def _kernel_cache(spec: NormSpec):
@@ -338,7 +335,8 @@ def _kernel_cache(spec: NormSpec):
     key = (spec.device_index, spec.op, spec.phase)
     cache = _kernel_caches.get(key)
     if cache is None:
-        cache = _kernel_caches[key] = _runtime.cudnn_module().create_kernel_cache()
+        cache = _runtime.cudnn_module().create_kernel_cache()
+        _kernel_caches.put(key, cache)
     return cache
 
 

@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from . import _cache, _call_plans, _graphs, _policy, _rows, _runtime, _settings
+from . import _cache, _graphs, _lru, _policy, _runtime, _settings
 from ._cache import CacheInfo
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
@@ -17,17 +17,20 @@ OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
 
 def cache_info() -> CacheInfo:
     """Counters of the in-memory plan cache: hits, misses, builds, build seconds, plans
-    loaded from the on-disk store, specs cuDNN declined, evictions, size and capacity."""
+    loaded from the on-disk store, specs cuDNN declined, evictions, size and capacity; and
+    ``caches``, the size/capacity/hits/misses/evictions of every cache of the package by
+    name (plans, call-signature memos, row-count history, constant vectors, host scalars,
+    kernel caches)."""
     return _cache.plans.info()
 
 
 def clear_cache() -> None:
-    """Drop every cached plan, the row-count history of the chunking policy, the counters
-    and this thread's cached workspaces (the on-disk store is untouched)."""
-    _cache.plans.clear()
+    """Empty every cache of the package (:func:`cudnorm._lru.registry`: plans, memos, the
+    row-count history of the chunking policy), zero the plan counters and drop this
+    thread's cached workspaces (the on-disk store is untouched)."""
+    _lru.clear_all()
+    _cache.plans.clear()  # also zeroes its counters
     _runtime.release_workspaces()
-    _rows.reset()
-    _call_plans.forget()
 
 
 @atexit.register

@@ -34,12 +34,11 @@ phase) against launch count and the overlap; ``benchmarks/variable_rows.py`` mea
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
-from . import _cache, _dispatch, _graphs, _settings
+from . import _cache, _dispatch, _graphs, _lru, _settings
 from ._spec import NormSpec
 
 # Chunk sizes per phase, largest first. Measured at N = 4096 bf16, 65536 rows (H200): 4096-row
@@ -57,11 +56,11 @@ _SUM_ROLES = ("dscale", "dbias")
 # is copied, so a large overlapping chunk would copy up to a chunk of dy per call).
 OVERLAP_ANY_SIZE = {"train": True, "infer": True, "bwd": False}
 
-_exact_rows: dict[NormSpec, set[int]] = {}  # family -> row counts given exact graphs
+# family -> row counts given exact graphs (a forgotten family starts its exact budget again)
+_exact_rows = _lru.LRU("exact_row_families", 4096)
 # spec -> [ChunkedPlan or None (PyTorch's kernels), times asked for]: a repeated row count skips
 # the policy until it may be promoted to exact graphs
-_memo: OrderedDict = OrderedDict()
-_MEMO_CAPACITY = 4096
+_memo = _lru.LRU("row_counts", 4096)
 _memo_settings = None  # the settings _memo was filled under
 _lock = threading.Lock()
 
@@ -73,7 +72,7 @@ def plan_or_chunks(spec: NormSpec):
     value = _cache.plans.lookup(spec)
     if value is not None and not _dispatch._recorders:
         return None if value is _cache.DECLINED else value
-    entry = _memo.get(spec)
+    entry = _memo.get(spec, count_miss=False)
     if entry is not None and _memo_settings is _settings.current and not _dispatch._recorders:
         entry[1] += 1
         if entry[1] != _settings.current.exact_after:  # only then may the count be promoted
@@ -107,8 +106,11 @@ def _resolve(spec: NormSpec):
         return _dispatch.get_plan(spec)
     current = _settings.current
     with _lock:
-        exact = _exact_rows.setdefault(family(spec), set())
-        entry = _memo.get(spec) if _memo_settings is current else None
+        exact = _exact_rows.peek(family(spec))
+        if exact is None:
+            exact = set()
+            _exact_rows.put(family(spec), exact)
+        entry = _memo.peek(spec) if _memo_settings is current else None
         seen = 1 if entry is None else entry[1]
         admitted = spec.rows in exact or (len(exact) < current.exact_rows and seen >= current.exact_after)
     # a plan the on-disk store holds (warmed up, or built by an earlier run) loads in tens of
@@ -142,9 +144,7 @@ def _remember(spec: NormSpec, chunked) -> None:
         if _memo_settings is not _settings.current:
             _memo.clear()
             _memo_settings = _settings.current
-        _memo[spec] = [chunked, 1]
-        if len(_memo) > _MEMO_CAPACITY:
-            _memo.popitem(last=False)
+        _memo.put(spec, [chunked, 1])
 
 
 def chunk_spec(spec: NormSpec, rows: int) -> NormSpec:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _settings
+from . import _lru, _settings
 
 #: Oldest compute capability we send to cuDNN's norm engines. The fused norm engines
 #: are built for Ampere and newer; older GPUs take the PyTorch path.
@@ -78,7 +78,7 @@ def _arch_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= MIN_COMPUTE_CAPABILITY
 
 
-_routes: dict[int, tuple] = {}  # device index -> (settings it was computed under, answer)
+_routes = _lru.LRU("routes", 64)  # device index -> (settings it was computed under, answer)
 
 
 def route(tensor: torch.Tensor) -> str | None:
@@ -87,7 +87,7 @@ def route(tensor: torch.Tensor) -> str | None:
     if not tensor.is_cuda:
         return f"{tensor.device.type} tensor"
     index = tensor.get_device()
-    known = _routes.get(index)
+    known = _routes.peek(index)
     if known is not None and known[0] is _settings.current:
         return known[1]
     status = cudnn_status()
@@ -98,7 +98,7 @@ def route(tensor: torch.Tensor) -> str | None:
         reason = f"compute capability {cap[0]}.{cap[1]} is below {MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
     else:
         reason = None
-    _routes[index] = (_settings.current, reason)
+    _routes.put(index, (_settings.current, reason))
     return reason
 
 

@@ -266,7 +266,7 @@ def _launch_per_sample(plan, count: int, bases: list[int], steps: list[int]) -> 
 
 
 _FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample)}
-_forward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
+_forward_plans = _call_plans.SignatureMemo("ada_forward_calls")  # signature -> (run, plan) of the strategy that served it
 
 
 # ---------------------------------------------------------------- backward
@@ -394,7 +394,7 @@ def _bwd_per_sample(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
 
 
 _BACKWARDS = {"cudnn": (_cudnn_bwd_plan, _bwd_cudnn), "per_sample": (_per_sample_plan, _bwd_per_sample)}
-_backward_plans = _call_plans.SignatureMemo()  # signature -> (run, plan) of the strategy that served it
+_backward_plans = _call_plans.SignatureMemo("ada_backward_calls")  # signature -> (run, plan) of the strategy that served it
 
 
 # ---------------------------------------------------------------- ops, autograd

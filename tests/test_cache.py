@@ -181,3 +181,81 @@ def test_autotune_candidates():
     assert _graphs.autotune_candidates(_Candidates(27, special=21)) == list(range(27))
     cudnorm.config(autotune_candidates=12)
     assert _graphs.autotune_candidates(_Candidates(27)) == list(range(12))
+
+
+# -- the one cache abstraction: cudnorm._lru ------------------------------------------------
+def test_lru_bounds_orders_and_counts():
+    from cudnorm import _lru
+
+    evicted = []
+    lru = _lru.LRU("test-private", 2, lambda: evicted.append(1), register=False)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1  # "a" is now the most recent
+    lru.put("c", 3)  # evicts "b"
+    assert lru.keys() == ["a", "c"] and lru.get("b") is None and evicted == [1]
+    assert lru.stats() == _lru.LRUStats(size=2, capacity=2, hits=1, misses=1, evictions=1)
+    lru.resize(1)
+    assert lru.keys() == ["c"] and lru.stats().evictions == 2
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        lru.resize(0)
+    assert "test-private" not in _lru.registry()
+
+
+def test_lru_is_safe_under_threads():
+    """8 threads reading and writing one small LRU: no error, never above capacity."""
+    from cudnorm import _lru
+
+    lru = _lru.LRU("test-threads", 16, register=False)
+    errors, sizes = [], []
+
+    def work(seed):
+        try:
+            for i in range(5000):
+                key = (seed * 7 + i) % 40
+                if lru.get(key) is None:
+                    lru.put(key, i)
+                if i % 97 == 0:
+                    lru.pop(key)
+                sizes.append(len(lru))
+        except Exception as exc:  # the test reports it below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and max(sizes) <= 16
+
+
+def test_every_module_level_cache_is_registered_and_cleared():
+    """No module of the package keeps a cache of its own: a module-level empty dict/set is
+    a cache outside the registry (clear_cache() would not see it). Every registered cache is
+    reported by cache_info() and emptied by clear_cache()."""
+    import ast
+    import pathlib
+
+    from cudnorm import _lru
+
+    root = pathlib.Path(cudnorm.__file__).parent
+    allowed = {("_lru.py", "_REGISTRY"), ("providers.py", "_compiled")}  # the registry; bench-only
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            value = getattr(node, "value", None)
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            empty = (isinstance(value, ast.Dict) and not value.keys) or (
+                isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", ""))
+                in ("dict", "set", "OrderedDict"))
+            if empty and (path.name, getattr(target, "id", "")) not in allowed:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"module-level caches outside cudnorm._lru: {found}"
+    names = set(_lru.registry())
+    assert {"plans", "norm_calls", "ada_forward_calls", "ada_backward_calls", "row_counts",
+            "exact_row_families", "constant_vectors", "host_scalars", "kernel_caches", "routes"} <= names
+    assert set(cudnorm.cache_info().caches) == names
+    for cache in _lru.registry().values():
+        cache.put(("test-key",), "value")
+    cudnorm.clear_cache()
+    assert all(len(cache) == 0 for cache in _lru.registry().values())

@@ -201,7 +201,7 @@ def fake_gpu(monkeypatch, fresh_cache, tmp_path):
     before = _dispatch._plan_store
     monkeypatch.setattr(_runtime, "cudnn_status", lambda: _runtime.CudnnStatus(True, "ok"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(_dispatch, "_warned", set())  # each test sees its own decline warning
+    _dispatch._warned.clear()  # each test sees its own decline warning
     monkeypatch.setattr(_graphs, "serialize_plan", fake_serialize)
     monkeypatch.setattr(_graphs, "deserialize_plan", fake_deserialize)
     builds = []
