@@ -1,6 +1,6 @@
-"""``cudnorm.patch(model)``: swap, in place, the norms of a PyTorch or transformers model for
-cudnorm's modules, keeping every parameter (the same ``Parameter`` objects, so state_dict
-keys, tied weights, optimizer state and ``save_pretrained``/``from_pretrained`` are
+"""``cudnorm.patch(model)``: swap, in place, the norms of a PyTorch, transformers or diffusers
+model for cudnorm's modules, keeping every parameter (the same ``Parameter`` objects, so
+state_dict keys, tied weights, optimizer state and ``save_pretrained``/``from_pretrained`` are
 unchanged), and report what was swapped and what was left and why.
 
 Swapped:
@@ -13,15 +13,25 @@ Swapped:
 * transformers' Gemma RMSNorms (:data:`GEMMA_STYLE_RMS_NORMS`: ``normalized(x) * (1 + weight)``
   in fp32, cast to ``x``'s dtype once) -> :class:`GemmaStyleRMSNorm`, whose graph adds the
   offset itself (``rms_norm(..., weight_offset=1.0)``);
+* transformers' T5-family LayerNorms (:data:`T5_STYLE_RMS_NORMS`: an RMSNorm normalising in
+  fp32, cast to the weight's dtype when that is fp16/bf16, times the weight) and diffusers'
+  ``RMSNorm``, which computes the same (SD3's and others' q/k norms) ->
+  :class:`T5StyleRMSNorm`, which keeps their output dtype (and ``variance_epsilon``); a
+  diffusers ``RMSNorm`` without a weight (``x_hat`` in ``x``'s dtype) -> :class:`cudnorm.RMSNorm`;
 * diffusers' AdaLN classes (``AdaLayerNorm``, ``AdaLayerNormContinuous``, ``AdaLayerNormZero``,
   ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``; exact classes) -> the class of that
   name in :mod:`cudnorm.diffusers`, holding the original's own linear, embedding and norm
   parameters (:func:`cudnorm.diffusers.from_diffusers`). The modules inside a swapped module
   belong to the new one and are not visited again.
 
+transformers' norms take a half-precision weight on input of another dtype (a bf16 model fed
+fp32) and promote it; the stand-ins pass such a weight to :func:`cudnorm.rms_norm`, which
+takes only fp32 or the input's dtype, as fp32.
+
 Left, with the reason: other Gemma-family norms (Gemma 3n/4 variants with other formulas),
-T5's LayerNorm (its output takes the weight's dtype), diffusers' other norm classes and any
-other class.
+diffusers' ``RMSNorm`` with a bias (Sana's output norm), diffusers' ``AdaLayerNormSingle``
+(PixArt's timestep embedding: it normalises nothing; the blocks modulate their
+``nn.LayerNorm``, which is swapped), diffusers' other norm classes and any other class.
 """
 
 from __future__ import annotations
@@ -41,16 +51,35 @@ LLAMA_STYLE_RMS_NORMS = frozenset((
 ))
 # transformers classes whose forward is Gemma's: fp32 x_hat * (1 + weight.float()), cast to x's dtype
 GEMMA_STYLE_RMS_NORMS = frozenset(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"))
-_WHY_LEFT = {
+# transformers classes whose forward is T5's: x * rsqrt(mean(x.float()^2) + eps), cast to the
+# weight's dtype if that is fp16/bf16, times weight (the "Copied from T5" family)
+T5_STYLE_RMS_NORMS = frozenset((
+    "T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm", "LongT5LayerNorm", "SwitchTransformersLayerNorm",
+    "Pix2StructLayerNorm", "Pop2PianoLayerNorm", "UdopLayerNorm",
+))
+_WHY_LEFT = {  # class name prefix -> why
     "Gemma": "a Gemma-family norm with another formula than Gemma's (1 + weight) RMSNorm",
-    "T5LayerNorm": "returns the weight's dtype, which cudnorm's RMSNorm does not",
 }
+_WHY_LEFT_DIFFUSERS = {  # diffusers class name -> why
+    "RMSNorm": "a bias after the norm (or a weight of several dims), which cudnorm's RMSNorm does not take",
+    "AdaLayerNormSingle": "normalises nothing (PixArt's timestep embedding and modulation linear; "
+                          "the blocks' nn.LayerNorms it modulates are swapped)",
+}
+_HALF = (torch.float16, torch.bfloat16)
 
 
-class LlamaStyleRMSNorm(RMSNorm):
-    """:class:`cudnorm.RMSNorm` with the output dtype of transformers' Llama-family RMSNorm:
-    ``torch.promote_types(weight.dtype, input.dtype)`` (fp32 for fp32 weights on bf16
-    input). ``variance_epsilon`` reads and writes ``eps``, as the original attribute did."""
+def _param_for(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in a dtype cudnorm's ops take with ``input``: as it is when that is the
+    input's or fp32, else cast to fp32 (float64 for float64 input). transformers' norms take a
+    half weight on other input (bf16 weights on an fp32 residual stream) and promote it."""
+    if weight.dtype is input.dtype or (weight.dtype is torch.float32 and input.dtype is not torch.float64):
+        return weight
+    return weight.to(torch.float64 if input.dtype is torch.float64 else torch.float32)
+
+
+class _TransformersRMSNorm(RMSNorm):
+    """:class:`cudnorm.RMSNorm` whose ``variance_epsilon`` reads and writes ``eps``, as the
+    attribute of transformers' RMSNorms did (model code and hooks read it)."""
 
     @property
     def variance_epsilon(self) -> float:
@@ -60,11 +89,47 @@ class LlamaStyleRMSNorm(RMSNorm):
     def variance_epsilon(self, value: float) -> None:
         self.eps = value
 
+
+class LlamaStyleRMSNorm(_TransformersRMSNorm):
+    """:class:`cudnorm.RMSNorm` with the output dtype of transformers' Llama-family RMSNorm:
+    ``torch.promote_types(weight.dtype, input.dtype)`` (fp32 for fp32 weights on bf16
+    input). ``variance_epsilon`` reads and writes ``eps``, as the original attribute did."""
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input [*, hidden]`` -> ``[*, hidden]`` in the promoted dtype."""
-        y = super().forward(input)
+        weight = _param_for(input, self.weight)
+        if weight is self.weight:
+            y = super().forward(input)
+        else:
+            y = rms_norm(input, self.normalized_shape, weight, self.eps)
         dtype = torch.promote_types(self.weight.dtype, input.dtype)
         return y if y.dtype == dtype else y.to(dtype)
+
+
+class T5StyleRMSNorm(_TransformersRMSNorm):
+    """transformers' T5 LayerNorm (an RMSNorm: no mean, no bias) on cudnorm, with its output
+    dtype: the weight's for fp16/bf16 weights (whatever the input's), otherwise the promotion
+    of the input's, the weight's and fp32 (fp32 for an fp32 weight on bf16 input).
+    ``variance_epsilon`` reads and writes ``eps``, as the original attribute did.
+
+    T5 normalises in fp32, rounds ``x_hat`` to a half-precision weight's dtype, then
+    multiplies. Input and weight of one dtype run one :func:`cudnorm.rms_norm`, which rounds
+    once where T5 rounds twice (the same numbers in fp32). Any other pair runs it in fp32,
+    where T5's own arithmetic happens (or float64 where a float64 tensor takes part), and
+    rounds the result once to the output dtype: a bf16 model whose residual stream became
+    fp32 (T5 keeps its ``wo`` layers in fp32) gets bf16 out, as from T5, and an fp32-weight
+    norm on bf16 input gets the fp32 result T5 computes rather than a bf16 one. diffusers'
+    ``RMSNorm`` with a weight computes the same and is swapped for this class too.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input [*, hidden]`` -> ``[*, hidden]`` in T5's output dtype (class docstring)."""
+        weight = self.weight
+        if input.dtype is weight.dtype:
+            return super().forward(input)
+        compute = torch.promote_types(torch.promote_types(input.dtype, weight.dtype), torch.float32)
+        y = rms_norm(input.to(compute), self.normalized_shape, weight.to(compute), self.eps)
+        return y.to(weight.dtype) if weight.dtype in _HALF else y
 
 
 class GemmaStyleRMSNorm(torch.nn.Module):
@@ -84,10 +149,16 @@ class GemmaStyleRMSNorm(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input [*, dim]`` -> ``[*, dim]`` in ``input``'s dtype."""
-        return rms_norm(input, self.weight.shape, self.weight, self.eps, weight_offset=1.0)
+        return rms_norm(input, self.weight.shape, _param_for(input, self.weight), self.eps, weight_offset=1.0)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+# transformers class name -> the module standing in for it, for classes holding ``weight`` and
+# ``variance_epsilon``
+_VARIANCE_EPSILON_STYLES = {**dict.fromkeys(LLAMA_STYLE_RMS_NORMS, LlamaStyleRMSNorm),
+                            **dict.fromkeys(T5_STYLE_RMS_NORMS, T5StyleRMSNorm)}
 
 
 @dataclass
@@ -127,7 +198,8 @@ def _why_left(module: torch.nn.Module) -> str:
         if name.startswith(prefix):
             return why
     if type(module).__module__.startswith("diffusers"):
-        return "no cudnorm counterpart for this diffusers class (or an unexpected layout of it)"
+        return _WHY_LEFT_DIFFUSERS.get(
+            name, "no cudnorm counterpart for this diffusers class (or an unexpected layout of it)")
     return "not a class cudnorm knows to compute the same function"
 
 
@@ -145,9 +217,10 @@ def _replacement(module: torch.nn.Module) -> torch.nn.Module | None:
         new.weight = module.weight
         return new
     weight = getattr(module, "weight", None)
-    if (kind.__name__ in LLAMA_STYLE_RMS_NORMS and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+    style = _VARIANCE_EPSILON_STYLES.get(kind.__name__)
+    if (style is not None and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), float)):
-        new = LlamaStyleRMSNorm(weight.shape[0], eps=module.variance_epsilon, device="meta")
+        new = style(weight.shape[0], eps=module.variance_epsilon, device="meta")
         new.weight = weight
         return new
     if (kind.__name__ in GEMMA_STYLE_RMS_NORMS and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
@@ -155,7 +228,24 @@ def _replacement(module: torch.nn.Module) -> torch.nn.Module | None:
         new = GemmaStyleRMSNorm(weight.shape[0], eps=module.eps, device="meta")
         new.weight = weight
         return new
+    if kind.__name__ == "RMSNorm" and kind.__module__.startswith("diffusers."):
+        return _from_diffusers_rms_norm(module)
     return from_diffusers(module)
+
+
+def _from_diffusers_rms_norm(module: torch.nn.Module) -> torch.nn.Module | None:
+    """diffusers' ``RMSNorm`` computes T5's formula, and without a weight ``x_hat`` cast to
+    ``x``'s dtype, which is :class:`cudnorm.RMSNorm`'s; one with a bias is left (None)."""
+    dim, weight, eps = getattr(module, "dim", ()), getattr(module, "weight", None), getattr(module, "eps", None)
+    if len(dim) != 1 or getattr(module, "bias", None) is not None or not isinstance(eps, float):
+        return None
+    if weight is None:
+        return RMSNorm(dim, eps=eps, elementwise_affine=False)
+    if not isinstance(weight, torch.nn.Parameter) or weight.shape != dim:
+        return None
+    new = T5StyleRMSNorm(dim, eps=eps, device="meta")
+    new.weight = weight
+    return new
 
 
 def patch(model: torch.nn.Module) -> PatchReport:

@@ -2,8 +2,8 @@
 forward signatures; state_dicts that load both ways with ``strict=True``; the same outputs and
 gradients (fp32 to 1e-5 relative, bf16 within twice diffusers' own error against an fp64
 run); mixed dtypes promoted as diffusers does; ``torch.compile(fullgraph=True)``; argument
-errors naming the class and the argument; and tiny DiT, SD3 and Flux models patched by
-``cudnorm.patch`` giving the unpatched model's outputs and gradients."""
+errors naming the class and the argument; ``from_diffusers``. Tiny DiT, SD3, Flux and PixArt
+models patched by ``cudnorm.patch`` are tested in ``tests/test_patching.py``."""
 
 import inspect
 
@@ -19,7 +19,6 @@ from diffusers.models import normalization as dn  # noqa: E402
 
 B, S, D, C = 2, 5, 32, 24
 F32_TOL = 1e-5
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU runs cudnorm's cuDNN path
 CLASSES = ("AdaLayerNorm", "AdaLayerNormContinuous", "AdaLayerNormZero", "AdaLayerNormZeroSingle",
            "SD35AdaLayerNormZeroX")
 
@@ -329,117 +328,3 @@ def test_from_diffusers_keeps_the_modules_and_parameters():
             assert ref.rel_error(g, w) <= F32_TOL, case
     assert cd.from_diffusers(torch.nn.LayerNorm(8)) is None
     assert cd.from_diffusers(cd.AdaLayerNormZero(8)) is None  # already cudnorm's
-
-
-def _perturb(model):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
-
-
-def _dit():
-    config = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=2, sample_size=8,
-                  patch_size=2, num_embeds_ada_norm=10)
-    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), timestep=torch.tensor([3, 500]),
-                  class_labels=torch.tensor([1, 2]))
-    return diffusers.DiTTransformer2DModel, config, inputs, {"AdaLayerNormZero": 2}
-
-
-def _sd3():
-    config = dict(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
-                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8,
-                  out_channels=4, pos_embed_max_size=8, dual_attention_layers=(0,), qk_norm="rms_norm")
-    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), encoder_hidden_states=torch.randn(B, 3, 16),
-                  pooled_projections=torch.randn(B, 8), timestep=torch.tensor([3, 500]))
-    # block 0: SD35AdaLayerNormZeroX + AdaLayerNormZero (context); block 1 (the last, context
-    # pre-only): AdaLayerNormZero + AdaLayerNormContinuous; the output norm: AdaLayerNormContinuous
-    return diffusers.SD3Transformer2DModel, config, inputs, {
-        "SD35AdaLayerNormZeroX": 1, "AdaLayerNormZero": 2, "AdaLayerNormContinuous": 2}
-
-
-def _flux():
-    config = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-                  num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
-    inputs = dict(hidden_states=torch.randn(B, 6, 4), encoder_hidden_states=torch.randn(B, 3, 16),
-                  pooled_projections=torch.randn(B, 8), timestep=torch.tensor([0.3, 0.5]),
-                  img_ids=torch.randn(6, 3), txt_ids=torch.zeros(3, 3))
-    return diffusers.FluxTransformer2DModel, config, inputs, {
-        "AdaLayerNormZero": 2, "AdaLayerNormZeroSingle": 1, "AdaLayerNormContinuous": 1}
-
-
-def _assert_grads_close(got, want):
-    """Per-tensor relative error <= F32_TOL, where gradients that are zero in exact arithmetic
-    (an attention key's bias: softmax ignores it) are held to F32_TOL of the largest norm,
-    since they carry only rounding noise."""
-    largest = max(w.norm() for w in want.values())
-    for name, w in want.items():
-        assert (got[name] - w).norm() <= F32_TOL * max(w.norm(), 1e-3 * largest), name
-
-
-def _sample_and_grads(model, inputs):
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs).sample
-    out.square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", [_dit, _sd3, _flux], ids=["dit", "sd3", "flux"])
-def test_patched_tiny_models_match(family, device):
-    model_cls, config, inputs, expected = family()
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    torch.manual_seed(0)
-    model = _perturb(model_cls(**config)).to(device)
-    want, want_grads = _sample_and_grads(model, inputs)
-    keys = {k: id(v) for k, v in model.state_dict(keep_vars=True).items()}
-    report = cudnorm.patch(model)
-    swapped = {}
-    for _, old, new in report.swapped:
-        if old.startswith("diffusers."):
-            assert new == "cudnorm.diffusers." + old.split(".")[1]
-            swapped[old.split(".")[1]] = swapped.get(old.split(".")[1], 0) + 1
-    assert swapped == expected
-    assert not any(cls.startswith("diffusers.AdaLayerNorm") or "ZeroX" in cls for _, cls, _ in report.left), report
-    assert {k: id(v) for k, v in model.state_dict(keep_vars=True).items()} == keys  # same keys, same Parameters
-    got, got_grads = _sample_and_grads(model, inputs)
-    assert ref.rel_error(got, want) <= F32_TOL
-    _assert_grads_close(got_grads, want_grads)
-    fresh = model_cls(**config).to(device)
-    fresh.load_state_dict(model.state_dict(), strict=True)
-    model.load_state_dict(fresh.state_dict(), strict=True)
-    assert not cudnorm.patch(model).swapped  # a second call finds nothing left to swap
-
-
-def test_patched_dit_round_trips_through_save_pretrained(tmp_path):
-    model_cls, config, inputs, _ = _dit()
-    torch.manual_seed(0)
-    model = _perturb(model_cls(**config))
-    cudnorm.patch(model)
-    assert type(model.transformer_blocks[0].norm1) is cd.AdaLayerNormZero
-    model.save_pretrained(tmp_path)
-    loaded = model_cls.from_pretrained(tmp_path).eval()
-    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
-        assert torch.equal(a, b), name
-    with torch.no_grad():
-        assert ref.rel_error(model(**inputs).sample, loaded(**inputs).sample) <= F32_TOL
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_patched_flux_bf16_meets_the_error_rule(device):
-    model_cls, config, inputs, _ = _flux()
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    torch.manual_seed(0)
-    base = _perturb(model_cls(**config)).to(device, torch.bfloat16)
-    exact = model_cls(**config).eval()
-    exact.load_state_dict({k: v.double() for k, v in base.state_dict().items()})
-    exact.to(device, torch.float64)
-    patched = model_cls(**config).to(device, torch.bfloat16).eval()
-    patched.load_state_dict(base.state_dict())
-    cudnorm.patch(patched)
-    half = {k: v.to(torch.bfloat16) if v.is_floating_point() and not k.endswith("_ids") else v
-            for k, v in inputs.items()}
-    with torch.no_grad():
-        want = exact(**{k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}).sample
-        bound = ref.error_bound(ref.rel_error(base(**half).sample, want), torch.bfloat16)
-        assert ref.rel_error(patched(**half).sample, want) <= bound

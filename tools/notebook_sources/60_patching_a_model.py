@@ -1,9 +1,10 @@
 # %% [markdown]
 # # 60 · Patching a transformers model
 #
-# `cudnorm.patch(model)` swaps, in place, the norms of a PyTorch or transformers model for
-# cudnorm's modules: `torch.nn.LayerNorm`, `torch.nn.RMSNorm` and transformers' Llama-family
-# RMSNorms (Llama, Mistral, Mixtral, Qwen2/3, Phi-3). The new modules hold the **same
+# `cudnorm.patch(model)` swaps, in place, the norms of a PyTorch, transformers or diffusers
+# model for cudnorm's modules: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, transformers'
+# Llama-family RMSNorms (Llama, Mistral, Mixtral, Qwen2/3, Phi-3), Gemma's, T5's LayerNorm and
+# its copies, diffusers' RMSNorm and AdaLN classes. The new modules hold the **same
 # `Parameter` objects**, so state_dict keys, tied weights, optimizer state and
 # `save_pretrained` / `from_pretrained` are untouched. It returns a report of what it swapped
 # and what it left, with the reason.
@@ -109,3 +110,47 @@ with torch.no_grad():
     after = gemma(ids).logits
 print(f"largest logit difference after patching: {(after - before).abs().max().item():.2e}")
 assert torch.allclose(after, before, rtol=1e-4, atol=1e-4)
+
+# %% [markdown]
+# ## T5: the weight's dtype
+#
+# T5's LayerNorm is an RMSNorm that normalises in fp32 and, when its weight is fp16/bf16,
+# casts $\hat x$ to the weight's dtype before multiplying, so it returns the **weight's**
+# dtype. That matters in a bf16 T5: `from_pretrained(..., dtype=torch.bfloat16)` keeps the
+# `wo` layers in fp32, the residual stream becomes fp32, and the norms get fp32 input with
+# bf16 weights and return bf16. `patch` swaps T5's norms (and mT5's, UMT5's, LongT5's, ...)
+# for `T5StyleRMSNorm`, which returns T5's dtype for every pair of weight and input dtypes.
+
+# %%
+torch.manual_seed(0)
+t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+    vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)).eval()
+with torch.no_grad():
+    for name, p in t5.named_parameters():
+        if "layer_norm" in name:
+            p.add_(0.1 * torch.randn_like(p))
+t5 = t5.to(device)
+inputs = {"input_ids": torch.randint(0, 256, (2, 16), device=device),
+          "decoder_input_ids": torch.randint(0, 256, (2, 8), device=device)}
+with torch.no_grad():
+    before = t5(**inputs).logits
+    print(cudnorm.patch(t5))
+    after = t5(**inputs).logits
+print(f"largest logit difference after patching: {(after - before).abs().max().item():.2e}")
+assert torch.allclose(after, before, rtol=1e-4, atol=1e-4)
+
+# %% [markdown]
+# One norm with a bf16 weight on fp32 input, before and after patching: both return bf16.
+# Tolerance: T5 rounds $\hat x$ to bf16 and then the product; `T5StyleRMSNorm` computes in
+# fp32 and rounds once, so they differ by about one bf16 step ($2^{-8}$ relative).
+
+# %%
+norm = transformers.models.t5.modeling_t5.T5LayerNorm(64).to(device, torch.bfloat16)
+x = torch.randn(4, 64, device=device)
+want = norm(x)
+holder = torch.nn.Sequential(norm)
+cudnorm.patch(holder)
+got = holder[0](x)
+print(type(holder[0]).__name__, "returns", got.dtype, "| T5LayerNorm returns", want.dtype)
+assert got.dtype == want.dtype == torch.bfloat16
+torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
