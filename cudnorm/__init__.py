@@ -9,6 +9,7 @@ from . import diffusers  # cudnorm.diffusers: diffusers-compatible AdaLN classes
 from ._info import cache_info, clear_cache, info, serving_path
 from ._plan_store import clear_plan_store, install_default_store, plan_store_info
 from ._settings import Config, config, get_config
+from ._version import __version__
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .modules import (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, FusedAddLayerNorm, FusedAddRMSNorm,
@@ -17,7 +18,6 @@ from .patching import PatchReport, patch
 from .rms_norm import rms_norm
 from .warmup import record_specs, warmup
 
-__version__ = "0.1.0"
 
 install_default_store()
 

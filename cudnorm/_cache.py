@@ -1,8 +1,8 @@
-"""In-memory cache of built cuDNN plans: the package's plan LRU keyed by :class:`NormSpec`.
+"""The plan of a spec: memory LRU -> on-disk plan store -> build (:func:`get_plan`).
 
-Building a graph costs 0.1-1.4 s, so every built :class:`~cudnorm._graphs.Plan` is kept here,
-and, when the on-disk plan store is enabled, looked up there before building and saved there
-after. A spec cuDNN declines is remembered too (as ``DECLINED``), so the PyTorch fallback is
+Building a graph costs 0.1-1.4 s, so every built :class:`~cudnorm._graphs.Plan` is kept in
+an LRU keyed by :class:`NormSpec`, and, when the on-disk plan store is enabled, looked up
+there before building and saved there after. A spec cuDNN declines is remembered too (as ``DECLINED``), so the PyTorch fallback is
 taken at once on later calls instead of re-asking cuDNN.
 
 Size: ``cudnorm.config(cache_size=...)`` entries (default 512); a change resizes it.
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+import warnings
 from dataclasses import dataclass, field
 
-from . import _lru, _settings
+from . import _graphs, _lru, _plan_store, _recording, _settings
 from ._spec import NormSpec
 
 DECLINED = object()  # cache value for a spec cuDNN has no engine for
@@ -117,3 +119,47 @@ class PlanCache(_lru.LRU):
 
 plans = PlanCache(_settings.current.cache_size, register=True)
 _settings.on_change(lambda old, new: plans.resize(new.cache_size))
+
+
+_warned = _lru.LRU("declined_warnings", 4096)  # spec slugs already warned about (once each)
+
+
+def get_plan(spec: NormSpec):
+    """The :class:`~cudnorm._graphs.Plan` for ``spec``, or ``None`` if cuDNN declines it (the
+    op then runs PyTorch's kernels): from memory, else the on-disk store, else built."""
+    if _recording.blocks:
+        _recording.note(spec)
+    value = plans.get_or_build(spec, _build)
+    return None if value is DECLINED else value
+
+
+def stored(spec: NormSpec) -> bool:
+    """Whether the on-disk plan store holds a plan for ``spec`` (loading it is cheap)."""
+    store = _plan_store.installed()
+    return store is not None and store.has(spec)
+
+
+def _build(spec: NormSpec):
+    """A cache miss: load from the store, else build (and save); ``DECLINED`` when cuDNN has
+    no engine for the graph (warned once per spec)."""
+    store = _plan_store.installed()
+    if store is not None:
+        start = time.perf_counter()
+        plan = store.load(spec)
+        if plan is not None:
+            plans.record_build(time.perf_counter() - start, from_store=True)
+            return plan
+    try:
+        plan = _graphs.build_plan(spec)
+    except Exception as exc:  # no engine for this configuration: take the PyTorch path
+        plans.record_build(0.0, declined=True)
+        if spec.slug() not in _warned:
+            _warned.put(spec.slug(), True)
+            warnings.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
+                          RuntimeWarning, stacklevel=4)
+        return DECLINED
+    plans.record_build(plan.build_seconds)
+    if store is not None:
+        store.save(plan)
+    return plan

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _cache, _dispatch, _graphs, _lru, _rows, _settings
+from . import _cache, _dispatch, _graphs, _lru, _recording, _rows, _settings
 
 _memos: list[SignatureMemo] = []
 
@@ -36,7 +36,7 @@ class SignatureMemo(_lru.LRU):
 
     def get(self, signature: tuple, default=None, *, count_miss: bool = True):
         # LRU.get inlined: this runs on every op call
-        if self._settings is not _settings.current or _dispatch._recorders:
+        if self._settings is not _settings.current or _recording.blocks:
             return default
         value = self._data.get(signature)
         if value is None:
@@ -51,7 +51,7 @@ class SignatureMemo(_lru.LRU):
         return value
 
     def put(self, signature: tuple, value) -> None:
-        if _dispatch._recorders:
+        if _recording.blocks:
             return
         if self._settings is not _settings.current:
             self.clear()

@@ -1,7 +1,6 @@
-"""From a call's tensors to a runnable plan: routing, policies and the helpers every op shares.
+"""From a call's tensors to what a graph reads: the spec, the buffers, and the op plumbing.
 
-* :func:`get_plan` returns the cached plan of a spec (memory -> on-disk store -> build), or
-  ``None`` when cuDNN declines it, in which case the op runs PyTorch's kernels.
+* :func:`spec_for` makes a call's :class:`NormSpec` (with the autotune choice).
 * :func:`forward_params` decides which scale/bias buffers the forward graph reads. With
   fp32 master weights and half-precision activations it rounds them to the activation
   dtype, because cuDNN 9.19 serves an fp32 scale only on a generic engine 3-4x slower
@@ -14,12 +13,9 @@ Everything here runs on every call: keep it to attribute reads and dictionary lo
 
 from __future__ import annotations
 
-import time
-import warnings
-
 import torch
 
-from . import _cache, _graphs, _lru, _runtime, _settings
+from . import _graphs, _lru, _runtime, _settings
 from ._spec import NormSpec
 
 # Autotuning times every candidate plan once per spec; it pays where a call is long enough
@@ -41,15 +37,6 @@ AUTOTUNE_MAX_ELEMENTS = 1 << 30
 NATIVE_FORWARD_MIN_COLS = 1 << 18
 _F32 = torch.float32
 _new_tuple = tuple.__new__
-
-_plan_store = None  # set by cudnorm._plan_store when the on-disk store is enabled
-
-
-def set_plan_store(store) -> None:
-    """Install (or remove with ``None``) the on-disk plan store consulted on cache misses."""
-    global _plan_store
-    _plan_store = store
-
 
 def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
     """Whether a new graph for this call should be autotuned (``Config.autotune``)."""
@@ -80,51 +67,6 @@ def native_forward(x: torch.Tensor) -> bool:
     """Whether the forward of ``x: [M, N]`` runs PyTorch's fused kernel (measured faster than
     cuDNN from :data:`NATIVE_FORWARD_MIN_COLS` columns); the backward stays on cuDNN."""
     return x.shape[-1] >= NATIVE_FORWARD_MIN_COLS
-
-
-_warned = _lru.LRU("declined_warnings", 4096)  # spec slugs already warned about (once each)
-
-
-def _build(spec: NormSpec):
-    store = _plan_store
-    if store is not None:
-        start = time.perf_counter()
-        plan = store.load(spec)
-        if plan is not None:
-            _cache.plans.record_build(time.perf_counter() - start, from_store=True)
-            return plan
-    try:
-        plan = _graphs.build_plan(spec)
-    except Exception as exc:  # no engine for this configuration: take the PyTorch path
-        _cache.plans.record_build(0.0, declined=True)
-        if spec.slug() not in _warned:
-            _warned.put(spec.slug(), True)
-            warnings.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
-                          RuntimeWarning, stacklevel=4)
-        return _cache.DECLINED
-    _cache.plans.record_build(plan.build_seconds)
-    if store is not None:
-        store.save(plan)
-    return plan
-
-
-def stored(spec: NormSpec) -> bool:
-    """Whether the on-disk plan store holds a plan for ``spec`` (loading it is cheap)."""
-    store = _plan_store
-    return store is not None and store.has(spec)
-
-
-_recorders: list[dict] = []  # open cudnorm.record_specs() blocks, each collecting specs in a dict
-
-
-def get_plan(spec: NormSpec):
-    """The :class:`~cudnorm._graphs.Plan` for ``spec``, or ``None`` if cuDNN declines it."""
-    if _recorders:
-        for seen in _recorders:
-            seen.setdefault(spec)
-    value = _cache.plans.get_or_build(spec, _build)
-    return None if value is _cache.DECLINED else value
 
 
 def forward_param_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:

@@ -11,6 +11,7 @@ import torch
 
 from . import _cache, _graphs, _lru, _policy, _runtime, _settings
 from ._cache import CacheInfo
+from ._version import __version__
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
 
@@ -78,7 +79,6 @@ def info() -> dict:
     """Versions, device, cuDNN availability, how plans are launched, the serving path of
     every op and the configuration (:func:`cudnorm.get_config`)."""
     status = _runtime.cudnn_status()
-    from . import __version__  # noqa: PLC0415 - avoid a cycle at import time
 
     fe = _runtime.cudnn_module()
     out = {

@@ -40,8 +40,9 @@ import time
 import warnings
 from pathlib import Path
 
-from . import _dispatch, _graphs, _runtime, _settings
+from . import _graphs, _runtime, _settings
 from ._spec import NormSpec
+from ._version import __version__
 
 MAGIC = b"CUDNORMP"
 FORMAT_VERSION = 1
@@ -108,7 +109,6 @@ def _hash(value) -> str:
 
 def default_fingerprint(device_index: int) -> dict:
     """What makes a serialized plan valid on ``device_index`` (JSON-able dict)."""
-    from . import __version__  # noqa: PLC0415 - the package imports this module
 
     return {**_runtime.device_fingerprint(device_index), "cudnorm": __version__}
 
@@ -116,7 +116,7 @@ def default_fingerprint(device_index: int) -> dict:
 class PlanStore:
     """Plans on disk under ``directory``, bounded to ``max_bytes``.
 
-    ``load(spec)``/``save(plan)`` are the hooks :mod:`cudnorm._dispatch` calls around a
+    ``load(spec)``/``save(plan)`` are the hooks :func:`cudnorm._cache.get_plan` calls around a
     build; neither raises (problems are warned about once and the caller builds instead).
     ``fingerprint(device_index) -> dict`` is injectable for tests.
     """
@@ -367,8 +367,22 @@ def install_default_store() -> PlanStore | None:
     """Install the store the configuration describes (or none when disabled). Touches no
     file: the directory is created by the first save."""
     store = PlanStore(default_directory(), _max_bytes()) if _settings.current.plan_store else None
-    _dispatch.set_plan_store(store)
+    install(store)
     return store
+
+
+_installed: PlanStore | None = None  # the store consulted on plan-cache misses
+
+
+def install(store: PlanStore | None) -> None:
+    """Make ``store`` (or no store, ``None``) the one plan-cache misses consult."""
+    global _installed
+    _installed = store
+
+
+def installed() -> PlanStore | None:
+    """The store plan-cache misses consult, or ``None`` (disabled)."""
+    return _installed
 
 
 def _reinstall(old: _settings.Config, new: _settings.Config) -> None:
@@ -382,7 +396,7 @@ _settings.on_change(_reinstall)
 def current_store() -> PlanStore:
     """The installed store, or a disabled one at the configured place (to inspect or clear:
     ``cudnorm cache``)."""
-    store = _dispatch._plan_store
+    store = _installed
     if isinstance(store, PlanStore):
         return store
     return PlanStore(default_directory(), _max_bytes(), enabled=False)

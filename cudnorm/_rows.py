@@ -38,7 +38,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _cache, _dispatch, _graphs, _lru, _settings
+from . import _cache, _dispatch, _graphs, _lru, _recording, _settings
 from ._spec import NormSpec
 
 # Chunk sizes per phase, largest first. Measured at N = 4096 bf16, 65536 rows (H200): 4096-row
@@ -70,10 +70,10 @@ def plan_or_chunks(spec: NormSpec):
     :class:`ChunkedPlan` over shared chunk graphs, or ``None`` (PyTorch's kernels). Both
     plan kinds take the buffers of ``spec`` in :func:`cudnorm._graphs.roles` order."""
     value = _cache.plans.lookup(spec)
-    if value is not None and not _dispatch._recorders:
+    if value is not None and not _recording.blocks:
         return None if value is _cache.DECLINED else value
     entry = _memo.get(spec, count_miss=False)
-    if entry is not None and _memo_settings is _settings.current and not _dispatch._recorders:
+    if entry is not None and _memo_settings is _settings.current and not _recording.blocks:
         entry[1] += 1
         if entry[1] != _settings.current.exact_after:  # only then may the count be promoted
             _cache.plans.record_rows_path(chunked=entry[0] is not None)
@@ -103,7 +103,7 @@ def chunkable(spec: NormSpec) -> bool:
 
 def _resolve(spec: NormSpec):
     if not chunkable(spec):
-        return _dispatch.get_plan(spec)
+        return _cache.get_plan(spec)
     current = _settings.current
     with _lock:
         exact = _exact_rows.peek(family(spec))
@@ -115,11 +115,11 @@ def _resolve(spec: NormSpec):
         admitted = spec.rows in exact or (len(exact) < current.exact_rows and seen >= current.exact_after)
     # a plan the on-disk store holds (warmed up, or built by an earlier run) loads in tens of
     # milliseconds instead of a build: use it at once, whatever the policy says
-    if admitted or _dispatch.stored(spec):
+    if admitted or _cache.stored(spec):
         with _lock:
             exact.add(spec.rows)
             _memo.pop(spec, None)
-        return _dispatch.get_plan(spec)
+        return _cache.get_plan(spec)
     if entry is not None:  # asked for often enough, but the family has its exact counts
         _cache.plans.record_rows_path(chunked=entry[0] is not None)
         return entry[0]
@@ -129,9 +129,9 @@ def _resolve(spec: NormSpec):
         _cache.plans.record_rows_path(chunked=False)
         return None
     chunks, overlap = split
-    plans = {size: _dispatch.get_plan(chunk_spec(spec, size)) for size in {size for _, size in chunks}}
+    plans = {size: _cache.get_plan(chunk_spec(spec, size)) for size in {size for _, size in chunks}}
     if None in plans.values():  # cuDNN declined a chunk graph: ask for the exact one as before
-        return _dispatch.get_plan(spec)
+        return _cache.get_plan(spec)
     chunked = ChunkedPlan(spec, chunks, overlap, plans)
     _remember(spec, chunked)
     _cache.plans.record_rows_path(chunked=True)

@@ -208,7 +208,7 @@ def _forward_outputs(x2, b, training):
 # scale/shift and returns ``(y, stats)``.
 
 def _cudnn_plan(x2, b, dtype, training):
-    return _dispatch.get_plan(_dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype,
+    return _cache.get_plan(_dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype,
                                                  x2.device.index, batch=b))
 
 
@@ -230,7 +230,7 @@ def _per_sample_fwd_plan(x2, b, dtype, training):
     # the statistics are written straight into the caller's buffer: a sample's rows must be aligned
     if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), dtype.itemsize) or s % 4:
         return None
-    return _dispatch.get_plan(_dispatch.spec_for("layer_norm", "train" if training else "infer", x2[:s], dtype,
+    return _cache.get_plan(_dispatch.spec_for("layer_norm", "train" if training else "infer", x2[:s], dtype,
                                                  x2.device.index))
 
 
@@ -331,7 +331,7 @@ def _backward_outputs(x2, b, scale_dtype):
 # dit, shift_dtype)`` returns ``(dx, dscale, dshift)``.
 
 def _cudnn_bwd_plan(x2, b, scale_dtype):
-    return _dispatch.get_plan(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, x2.device.index, batch=b))
+    return _cache.get_plan(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, x2.device.index, batch=b))
 
 
 def _bwd_cudnn(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
@@ -368,7 +368,7 @@ def _per_sample_plan(x2, b, scale_dtype):
     s = rows // b
     if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), scale_dtype.itemsize):
         return None
-    return _dispatch.get_plan(_per_sample_bwd_spec(x2[:s], scale_dtype, x2.device.index))
+    return _cache.get_plan(_per_sample_bwd_spec(x2[:s], scale_dtype, x2.device.index))
 
 
 def _bwd_per_sample(plan, dy2, x2, b, scale, stats, dit, shift_dtype):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import _cache, _dispatch, _runtime
+from . import _cache, _dispatch, _recording, _runtime
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -84,13 +84,9 @@ def record_specs(path: str | os.PathLike | None = None):
             loss = model(batch).loss
             loss.backward()
     """
-    seen: dict = {}
     recording = Recording()
-    _dispatch._recorders.append(seen)
-    try:
+    with _recording.collecting() as seen:
         yield recording
-    finally:  # by identity: another open block's dict may compare equal
-        _dispatch._recorders[:] = [r for r in _dispatch._recorders if r is not seen]
     recording.specs = _sorted(seen)
     if not recording.specs:
         warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
@@ -275,7 +271,7 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
     for spec in (_progress(specs, len(specs), "cudnorm warmup") if progress else specs):
         cached = spec in set(_cache.plans.specs())
         start = time.perf_counter()
-        plan = _dispatch.get_plan(spec)
+        plan = _cache.get_plan(spec)
         seconds = time.perf_counter() - start
         where = "declined" if plan is None else "cached" if cached else plan.source
         rows.append({"spec": spec.slug(), "source": where, "plan": "" if plan is None else plan.plan_name,

@@ -97,8 +97,8 @@ def test_declined_spec_is_remembered_and_counted(monkeypatch, fresh_cache):
 
     monkeypatch.setattr(_dispatch._graphs, "build_plan", refuse)
     with pytest.warns(RuntimeWarning, match="cuDNN declined"):
-        assert _dispatch.get_plan(_spec()) is None
-    assert _dispatch.get_plan(_spec()) is None
+        assert _cache.get_plan(_spec()) is None
+    assert _cache.get_plan(_spec()) is None
     assert len(attempts) == 1
     info = cudnorm.cache_info()
     assert info.declined == 1 and info.hits == 1
@@ -109,9 +109,9 @@ def test_builds_and_build_seconds_are_counted(monkeypatch, fresh_cache):
         build_seconds = 0.25
 
     monkeypatch.setattr(_dispatch._graphs, "build_plan", lambda spec: FakePlan())
-    _dispatch.get_plan(_spec(1))
-    _dispatch.get_plan(_spec(2))
-    _dispatch.get_plan(_spec(1))
+    _cache.get_plan(_spec(1))
+    _cache.get_plan(_spec(2))
+    _cache.get_plan(_spec(1))
     info = cudnorm.cache_info()
     assert (info.builds, info.misses, info.hits) == (2, 2, 1)
     assert info.build_seconds == pytest.approx(0.5)

@@ -29,7 +29,7 @@ class RecordingPlan(_graphs.Plan):
 @pytest.fixture
 def recording(monkeypatch, fresh_cache):
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
-    monkeypatch.setattr(_dispatch, "_build", RecordingPlan)
+    monkeypatch.setattr(_cache, "_build", RecordingPlan)
     looked_up = []
     real = _rows.plan_or_chunks
 

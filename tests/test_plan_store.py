@@ -72,9 +72,9 @@ def store(tmp_path, fakes):
 @pytest.fixture
 def installed_store():
     """Restore whatever store cudnorm installed at import after the test."""
-    before = _dispatch._plan_store
+    before = _plan_store.installed()
     yield
-    _dispatch.set_plan_store(before)
+    _plan_store.install(before)
 
 
 def recorded(fn):
@@ -99,11 +99,11 @@ def test_round_trip_keeps_plan_name_and_timings(store):
 
 def test_has_answers_without_loading(store, installed_store):
     spec = spec_()
-    assert not store.has(spec) and not _dispatch.stored(spec)
+    assert not store.has(spec) and not _cache.stored(spec)
     store.save(plan_(spec))
     assert store.has(spec) and not store.has(spec_(rows=65))
-    _dispatch.set_plan_store(store)
-    assert _dispatch.stored(spec)
+    _plan_store.install(store)
+    assert _cache.stored(spec)
     store.enabled = False
     assert not store.has(spec)
 
@@ -335,11 +335,11 @@ def test_dispatch_loads_from_store_instead_of_building(store, monkeypatch, insta
         return plan_(spec)
 
     monkeypatch.setattr(_graphs, "build_plan", fake_build)
-    _dispatch.set_plan_store(store)
+    _plan_store.install(store)
     spec = spec_()
-    assert _dispatch.get_plan(spec).source == "built"
+    assert _cache.get_plan(spec).source == "built"
     _cache.plans.clear()  # a new process, as far as the cache knows
-    plan = _dispatch.get_plan(spec)
+    plan = _cache.get_plan(spec)
     assert plan.source == "store" and plan.graph == blob_for(spec)
     assert len(builds) == 1 and cudnorm.cache_info().store_loads == 1
 
@@ -349,18 +349,18 @@ def test_configuration_installs_the_store(tmp_path, monkeypatch):
     assert cudnorm.get_config().plan_store_dir is None
     assert _plan_store.default_directory() == tmp_path / "xdg" / "cudnorm" / "plans"
     cudnorm.config(plan_store=True, plan_store_dir=tmp_path / "mine", plan_store_max_mb=1.5)
-    store = _dispatch._plan_store
+    store = _plan_store.installed()
     assert isinstance(store, PlanStore) and store.max_bytes == 1572864
     assert cudnorm.plan_store_info() == {"path": str(tmp_path / "mine"), "enabled": True, "writable": True,
                                          "entries": 0, "bytes": 0, "max_bytes": 1572864}
     assert not (tmp_path / "mine").exists(), "installing must not create the directory"
     cudnorm.config(cache_size=100)
-    assert _dispatch._plan_store is store, "other options leave the store alone"
+    assert _plan_store.installed() is store, "other options leave the store alone"
     with cudnorm.config(plan_store_max_mb=2):
-        assert _dispatch._plan_store is not store and _dispatch._plan_store.max_bytes == 2 << 20
-    assert _dispatch._plan_store.max_bytes == 1572864
+        assert _plan_store.installed() is not store and _plan_store.installed().max_bytes == 2 << 20
+    assert _plan_store.installed().max_bytes == 1572864
     cudnorm.config(plan_store=False)
-    assert _dispatch._plan_store is None
+    assert _plan_store.installed() is None
     assert cudnorm.plan_store_info()["enabled"] is False and cudnorm.plan_store_info()["path"] == str(tmp_path / "mine")
 
 

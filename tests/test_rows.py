@@ -201,14 +201,14 @@ def test_bf16_padded_rows_and_misaligned_remainder_stats(phase, fake):
 
 @pytest.fixture
 def fake_builds(monkeypatch, fresh_cache):
-    """``_dispatch.get_plan`` replaced by fake plans; records the specs asked for."""
+    """``_cache.get_plan`` replaced by fake plans; records the specs asked for."""
     asked, declined = [], set()
 
     def get_plan(spec):
         asked.append(spec)
         return None if spec in declined else FakePlan(spec)
 
-    monkeypatch.setattr(_dispatch, "get_plan", get_plan)
+    monkeypatch.setattr(_cache, "get_plan", get_plan)
     monkeypatch.setattr(_rows, "CHUNK_ROWS", SMALL_CHUNKS)
     _rows.reset()
     yield asked, declined
@@ -397,6 +397,6 @@ def test_count_in_the_plan_store_gets_its_exact_plan_at_once(fake_builds, monkey
     asked, _ = fake_builds
     cudnorm.config(exact_rows=0)  # the policy alone would chunk every count
     stored = _spec("layer_norm", "bwd", 70)
-    monkeypatch.setattr(_dispatch, "stored", lambda spec: spec == stored)
+    monkeypatch.setattr(_cache, "stored", lambda spec: spec == stored)
     assert _rows.plan_or_chunks(stored).spec == stored and asked[-1] == stored
     assert isinstance(_rows.plan_or_chunks(stored._replace(rows=50)), _rows.ChunkedPlan)

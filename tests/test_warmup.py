@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs, _runtime
+from cudnorm import _cache, _dispatch, _graphs, _plan_store, _recording, _runtime
 from cudnorm._plan_store import PlanStore
 from cudnorm._spec import NormSpec
 from test_plan_store import cli_main, fake_deserialize, fake_fingerprint, fake_serialize, plan_  # noqa: F401 - shared fakes and fixture
@@ -26,7 +26,7 @@ ada = importlib.import_module("cudnorm.ada_layer_norm")
 def cpu_as_cudnn(monkeypatch, fresh_cache):
     """CPU tensors take the cuDNN branch of the ops; every build is declined."""
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
-    monkeypatch.setattr(_dispatch, "_build", lambda spec: _cache.DECLINED)
+    monkeypatch.setattr(_cache, "_build", lambda spec: _cache.DECLINED)
 
 
 def _training_step(weight_dtype, with_weight=True):
@@ -52,7 +52,7 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, tmp_path, policy, w
     assert rec.specs == warmup_mod._sorted(expected)
     assert len(rec.specs) == 3
     assert warmup_mod.read_spec_file(path) == rec.specs
-    assert _dispatch._recorders == []
+    assert _recording.blocks == []
 
 
 @pytest.mark.parametrize("fwd, bwd", [("auto", "auto"), ("cudnn", "cudnn"), ("per_sample", "per_sample"),
@@ -62,7 +62,7 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, tmp_path, policy, w
 def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, fresh_cache, fwd, bwd, scale_dtype):
     # plans that run nothing: each op takes its first strategy, as it would on a GPU
     monkeypatch.setattr(_dispatch, "route", lambda x: None)
-    monkeypatch.setattr(_dispatch, "_build", lambda spec: types.SimpleNamespace(
+    monkeypatch.setattr(_cache, "_build", lambda spec: types.SimpleNamespace(
         spec=spec, run=lambda *a: None, launch=lambda pointers: None, raw=None, workspace_size=0))
     cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     b, s, d = 2, 8, 64
@@ -105,7 +105,7 @@ def test_nested_recorders_and_failure(cpu_as_cudnn, tmp_path):
     with pytest.raises(KeyError), cudnorm.record_specs(path):
         cudnorm.rms_norm(torch.randn(4, 64), (64,))
         raise KeyError("the step failed")
-    assert not path.exists() and _dispatch._recorders == []
+    assert not path.exists() and _recording.blocks == []
 
 
 def test_recording_nothing_warns(tmp_path):
@@ -198,10 +198,10 @@ def test_warmup_without_cudnn_builds_nothing():
 @pytest.fixture
 def fake_gpu(monkeypatch, fresh_cache, tmp_path):
     """cuDNN 'available' with one GPU, builds and the store faked; yields the build log."""
-    before = _dispatch._plan_store
+    before = _plan_store.installed()
     monkeypatch.setattr(_runtime, "cudnn_status", lambda: _runtime.CudnnStatus(True, "ok"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    _dispatch._warned.clear()  # each test sees its own decline warning
+    _cache._warned.clear()  # each test sees its own decline warning
     monkeypatch.setattr(_graphs, "serialize_plan", fake_serialize)
     monkeypatch.setattr(_graphs, "deserialize_plan", fake_deserialize)
     builds = []
@@ -213,9 +213,9 @@ def fake_gpu(monkeypatch, fresh_cache, tmp_path):
         return plan_(spec)
 
     monkeypatch.setattr(_graphs, "build_plan", build)
-    _dispatch.set_plan_store(PlanStore(tmp_path / "plans", 1 << 30, fingerprint=fake_fingerprint))
+    _plan_store.install(PlanStore(tmp_path / "plans", 1 << 30, fingerprint=fake_fingerprint))
     yield builds
-    _dispatch.set_plan_store(before)
+    _plan_store.install(before)
 
 
 def test_warmup_reports_where_each_plan_came_from(fake_gpu, tmp_path):

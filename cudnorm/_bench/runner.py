@@ -167,7 +167,7 @@ def _cudnorm_state(op: str, inp: Inputs, before) -> dict:
     rows = inp.x.numel() // inp.cols
     specs = [s for s in _cache.plans.specs()
              if (s.op, s.phase, s.rows, s.cols, s.x_dtype) == (name, phase, rows, inp.cols, inp.x.dtype)]
-    plan = _dispatch.get_plan(specs[-1]) if specs and path == "cudnn" else None
+    plan = _cache.get_plan(specs[-1]) if specs and path == "cudnn" else None
     label = ""
     if plan is not None:
         label = plan.plan_name + (f" (tuned {plan.candidates_timed})" if plan.candidates_timed else "")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _dispatch, _graphs
+from cudnorm import _cache, _dispatch, _graphs
 from cudnorm._spec import NormSpec
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,7 +130,7 @@ print("Plan.run buffer order:", _graphs.roles(fwd_spec))
 
 # %%
 if device == "cuda":
-    plan = _dispatch.get_plan(fwd_spec)
+    plan = _cache.get_plan(fwd_spec)
     assert plan is not None, "cuDNN declined the graph"
     print("plan:", plan.plan_name, f"(built in {plan.build_seconds:.2f} s)")
     x2 = x.detach().reshape(batch * seq, dim)
@@ -162,7 +162,7 @@ print("nodes:", [(n["name"], n["type"]) for n in bwd_graph.inspect()["nodes"]])
 print("Plan.run buffer order:", _graphs.roles(bwd_spec))
 
 if device == "cuda":
-    bwd_plan = _dispatch.get_plan(bwd_spec)
+    bwd_plan = _cache.get_plan(bwd_spec)
     assert bwd_plan is not None, "cuDNN declined the graph"
     dx_graph = torch.empty_like(x2)
     dscale_graph = torch.empty(batch, dim, device=device, dtype=dtype)
