@@ -9,20 +9,20 @@ Backward: the norm's backward graph on the saved ``h``, then ``dh`` (the gradien
 norm backward (no engine, cuDNN 9.19 on an H100), so that add is one PyTorch kernel.
 ``input`` and ``residual`` get the same gradient.
 
-Works on ``[M, N]`` views with one implementation for both norms (``rms`` selects the math);
-LayerNorm statistics are fp32 ``[2, ceil4(M)]`` (mean, rstd), RMSNorm's ``[1, ceil4(M)]``.
+Works on ``[M, N]`` views with one implementation for both norms: ``rms`` selects the op's
+description (:class:`cudnorm._norm.NormOp`), whose fp32 math the PyTorch paths share with the
+plain ops. LayerNorm statistics are fp32 ``[2, ceil4(M)]`` (mean, rstd), RMSNorm's ``[1, ceil4(M)]``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import _call_plans, _dispatch, _policy
+from . import _call_plans, _dispatch, _norm, _policy
 from ._graphs import eps_scalar, roles
 
 _F32 = torch.float32
-_OFFSET_ONE = 1.0  # the only weight offset cuDNN's graphs take (cudnorm.rms_norm)
+_OPS = (_norm.LAYER_NORM, _norm.RMS_NORM)  # indexed by the ops' ``rms`` flag
 
 # Widest rows whose forward runs the fused graph, per op. H100, bf16, M = 32768, the fused
 # graph against PyTorch's add + the plain graph (docs/performance.md, Decisions): RMSNorm
@@ -32,43 +32,38 @@ _OFFSET_ONE = 1.0  # the only weight offset cuDNN's graphs take (cudnorm.rms_nor
 FUSED_FORWARD_MAX_COLS = {"rms_norm": 8192, "layer_norm": 4096}
 
 
-def _op(rms: bool) -> str:
-    return "rms_norm" if rms else "layer_norm"
-
-
 def forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
             eps: float, training: bool, rms: bool, offset: float = 0.0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, h, stats)`` for ``x, residual: [M, N]`` of one dtype; ``weight``/``bias``:
     ``[N]`` fp32 or x's dtype, or None (``bias`` ignored when ``rms``). ``stats`` is empty
     (``[k, 0]``) with ``training=False``."""
-    count = 1 if rms else 2
-    if _dispatch.route(x) is None and offset in (0.0, _OFFSET_ONE):
-        out = _cudnn_forward(x, residual, weight, bias, eps, training, rms, offset)
+    op = _OPS[rms]
+    if _dispatch.route(x) is None and (not offset or offset in op.cudnn_offsets):
+        out = _cudnn_forward(x, residual, weight, bias, eps, training, op, offset)
         if out is not None:
             y, h, stats = out
-            return y, h, stats if training else x.new_empty((count, 0), dtype=_F32)
+            return y, h, stats if training else x.new_empty((op.stats_rows, 0), dtype=_F32)
     return _torch_forward(x, residual, weight, bias, eps, training, rms, offset)
 
 
-def _cudnn_forward(x, residual, weight, bias, eps, training, rms, offset):
+def _cudnn_forward(x, residual, weight, bias, eps, training, op, offset):
     """``(y, h, stats)`` from cuDNN (``stats`` ``None`` when not training), or ``None`` when
     cuDNN declines."""
-    op = _op(rms)
-    scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=not rms)
+    scale, shift, scale_dtype = _dispatch.forward_params(x, weight, bias, has_bias=op.centred)
     phase = "train" if training else "infer"
-    fused = x.shape[1] <= FUSED_FORWARD_MAX_COLS[op]
+    fused = x.shape[1] <= FUSED_FORWARD_MAX_COLS[op.name]
     if fused:
-        x, plan = _call_plans.rows_plan(op, phase, x, scale_dtype, bool(offset), residual=True)
+        x, plan = _call_plans.rows_plan(op.name, phase, x, scale_dtype, bool(offset), residual=True)
         h = torch.empty_like(x)
     else:
         h = torch.add(x, residual)
-        x, plan = _call_plans.rows_plan(op, phase, h, scale_dtype, bool(offset))
+        x, plan = _call_plans.rows_plan(op.name, phase, h, scale_dtype, bool(offset))
     if plan is None:
         return None
     m = x.shape[0]
     y = torch.empty_like(x)
-    stats = _dispatch.stats_buffer(m, 1 if rms else 2, x.device) if training else None
+    stats = _dispatch.stats_buffer(m, op.stats_rows, x.device) if training else None
     buffers = {"x": x, "scale": scale, "bias": shift, "eps": eps_scalar(eps)[0], "y": y,
                "residual": _dispatch.packed(residual) if fused else None, "h": h}
     if training:
@@ -83,21 +78,9 @@ def _cudnn_forward(x, residual, weight, bias, eps, training, rms, offset):
 def _torch_forward(x, residual, weight, bias, eps, training, rms, offset):
     """PyTorch path in fp32 (any device): the norm reads the unrounded sum, as the fused
     graph does; parameters rounded as on the cuDNN path."""
-    m, n = x.shape
     hf = x.float() + residual.float()
-    w, b = (None if p is None else p.to(_dispatch.forward_param_dtype(x, p)).float() for p in (weight, bias))
-    if rms:
-        rstd = torch.rsqrt(hf.square().mean(dim=1) + eps)
-        y = hf * rstd.unsqueeze(1) * ((1.0 if w is None else w) + offset)
-        rows = (rstd,)
-    else:
-        y, mean, rstd = torch.native_layer_norm(hf, [n], w, None if rms else b, eps)
-        rows = (mean.view(m), rstd.view(m))
-    stats = x.new_zeros((len(rows), -(-m // 4) * 4 if training else 0), dtype=_F32)
-    if training:
-        for k, row in enumerate(rows):
-            stats[k, :m] = row
-    return y.to(x.dtype), hf.to(x.dtype), stats
+    y, mean, rstd = _OPS[rms].math(hf, _norm.param32(x, weight), _norm.param32(x, bias), eps, offset)
+    return y.to(x.dtype), hf.to(x.dtype), _norm.padded_stats(x, mean, rstd, training)
 
 
 def backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor | None,
@@ -112,8 +95,8 @@ def backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, 
         zeros = torch.zeros(n, dtype=wdtype, device=h.device)
         return dh.clone(), zeros, zeros.clone()
     dx = dw = db = None
-    if _dispatch.route(h) is None and offset in (0.0, _OFFSET_ONE):
-        h, plan = _call_plans.rows_plan(_op(rms), "bwd", h, wdtype, bool(offset))
+    if _dispatch.route(h) is None and (not offset or offset in _OPS[rms].cudnn_offsets):
+        h, plan = _call_plans.rows_plan(_OPS[rms].name, "bwd", h, wdtype, bool(offset))
         if plan is not None:
             m = h.shape[0]
             dx = torch.empty_like(h)
@@ -135,21 +118,11 @@ def backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, 
 
 
 def _torch_backward(dy, h, weight, stats, rms, offset):
-    """PyTorch path in fp32: ATen's LayerNorm backward, or RMSNorm's formula
-    ``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = dy * (weight + offset)``."""
-    m, n = h.shape
-    wdtype = _dispatch.backward_scale_dtype(weight)
-    dyf, hf = dy.float(), h.float()
-    w = torch.ones(n, dtype=_F32, device=h.device) if weight is None else weight.float()
-    if rms:
-        rstd = stats[0, :m].unsqueeze(1)
-        xhat = hf * rstd
-        g = dyf * (w + offset)
-        dx = rstd * (g - xhat * (g * xhat).mean(dim=1, keepdim=True))
-        return dx.to(h.dtype), (dyf * xhat).sum(0).to(wdtype), torch.zeros(n, dtype=wdtype, device=h.device)
-    dx, dw, _ = torch.ops.aten.native_layer_norm_backward(
-        dyf, hf, [n], stats[0, :m].reshape(m, 1), stats[1, :m].reshape(m, 1), w, None, [True, True, False])
-    return dx.to(h.dtype), dw.to(wdtype), dyf.sum(0).to(wdtype)
+    """PyTorch path: the plain op's fp32 backward (:func:`cudnorm._norm.torch_backward`) on
+    ``h``; RMSNorm's dbias is zeros (the op's schema returns one)."""
+    m = h.shape[0]
+    dx, dw, db = _norm.torch_backward(_OPS[rms], dy, h, weight, None if rms else stats[0, :m], stats[-1, :m], offset)
+    return dx, dw, torch.zeros_like(dw) if db is None else db
 
 
 def reference(x, residual, normalized_shape, weight, bias, eps, rms, offset=0.0):
@@ -159,9 +132,8 @@ def reference(x, residual, normalized_shape, weight, bias, eps, rms, offset=0.0)
     h = x + residual
     if not rms:
         return torch.layer_norm(h, normalized_shape, weight, bias, eps), h
-    if offset:  # Gemma's formula: one rounding, at the end
-        y = F.rms_norm(h.float(), normalized_shape, None, eps)
-        return (y * ((1.0 if weight is None else weight.float()) + offset)).to(h.dtype), h
+    if offset:
+        return _norm.gemma_rms_norm(h, normalized_shape, weight, eps, offset), h
     return torch.rms_norm(h, normalized_shape, weight, eps), h
 
 
@@ -200,7 +172,7 @@ def _make_backward(backward_fn):
     def backward_(ctx, dy, dh, _dstats=None):
         h, weight, stats = ctx.saved_tensors
         if stats.numel() == 0:
-            raise RuntimeError(f"cudnorm.{_op(ctx.rms)}: backward through an inference-phase forward "
+            raise RuntimeError(f"cudnorm.{_OPS[ctx.rms].name}: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
         if dy is None and dh is None:
             return (None,) * 8
@@ -224,11 +196,7 @@ def _differentiable_backward(dy, dh, h, weight, ctx):
         return dh, zeros, zeros
 
     def norm(h, weight):
-        if ctx.rms:
-            scale = None if weight is None else weight.float() + ctx.offset
-            y = F.rms_norm(h.float(), (n,), scale, ctx.eps)
-            return y * (1.0 + ctx.offset) if weight is None and ctx.offset else y
-        return F.layer_norm(h.float(), (n,), None if weight is None else weight.float(), None, ctx.eps)
+        return _OPS[ctx.rms].functional(h, weight, ctx.eps, ctx.offset)
 
     dx, dw = _dispatch.differentiable_grads(norm, (h, weight), dy.float())
     if dh is not None:

@@ -1,0 +1,117 @@
+"""The package's import structure: one path from the public ops down to the launch, imports
+that only point down, no cycles. Parsed from the source (no import side effects).
+
+A new module must be placed in :data:`LAYERS` (the layer says what it may use).
+"""
+
+import ast
+import pathlib
+
+import cudnorm
+
+ROOT = pathlib.Path(cudnorm.__file__).parent
+
+# Library modules, lowest first; a module may import modules of lower layers only.
+LAYERS = [
+    ("_lru", "_progress", "_settings", "_spec", "_version", "reference"),  # no package imports
+    ("_policy", "_recording", "_runtime"),
+    ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
+    ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
+    ("_cache",),  # the plan of a spec: memory LRU -> plan store -> build
+    ("_rows",),  # row counts: exact plans or chunks
+    ("_call_plans",),  # a call's plan, memoised by its signature
+    ("_norm",),  # LayerNorm/RMSNorm implementation
+    ("_fused_add",),  # with a residual add
+    ("ada_layer_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
+    ("_info", "_sharding", "modules", "warmup"),
+    ("diffusers",),
+    ("patching",),
+    ("__init__",),  # the package
+]
+# Front ends: built on the package (they may import it); nothing in the library imports them.
+FRONT_ENDS = ("_self_check", "cli", "_bench")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> package modules it imports (dotted names relative to the package; ``__init__``
+    for the package itself), at any depth of the file (function-level imports count)."""
+    graph = {}
+    for path in ROOT.rglob("*.py"):
+        name = _module_name(path)
+        package = name.split(".")[:-1]  # the package this module sits in
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - (node.level - 1)]
+                targets = [base + node.module.split(".")] if node.module else [base + [a.name] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cudnorm":
+                targets = [node.module.split(".")[1:]]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "cudnorm"]
+            else:
+                continue
+            for parts in targets:
+                # the longest prefix that is a module or package of cudnorm (a name imported
+                # from a package resolves to the package)
+                while parts and not ((ROOT.joinpath(*parts).with_suffix(".py")).exists() or ROOT.joinpath(*parts).is_dir()):
+                    parts = parts[:-1]
+                target = ".".join(parts) if parts else "__init__"
+                if ROOT.joinpath(*parts).is_dir() and parts:
+                    target += ".__init__"
+                if target != name:
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def _front_end(name: str) -> bool:
+    return name.split(".")[0] in FRONT_ENDS
+
+
+def test_every_library_module_has_a_layer():
+    placed = [m for layer in LAYERS for m in layer]
+    assert len(placed) == len(set(placed))
+    library = {n for n in _imports() if "." not in n and not _front_end(n)}
+    assert library == set(placed), ("place new modules in LAYERS, remove deleted ones: "
+                                    f"{sorted(library ^ set(placed))}")
+
+
+def test_imports_point_down():
+    layer = {m: i for i, names in enumerate(LAYERS) for m in names}
+    wrong = []
+    for name, targets in _imports().items():
+        for target in targets:
+            if _front_end(name):
+                continue  # front ends use the package and their own modules
+            if _front_end(target):
+                wrong.append(f"{name} -> {target} (a front end)")
+            elif layer[target] >= layer[name]:
+                wrong.append(f"{name} (layer {layer[name]}) -> {target} (layer {layer[target]})")
+    assert not wrong, "imports that do not point down:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    graph = _imports()
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    # a front end's own package imports its submodules, which import the package's helpers:
+    # only cycles through the package roots' __init__ re-exports are tolerated there
+    real = [c for c in cycles if not all(_front_end(p) for p in c.split(" -> "))]
+    assert not real, "import cycles:\n" + "\n".join(real)
