@@ -18,8 +18,10 @@ with no cudnorm op or autograd node in between:
    cuDNN has no double-precision normalization (float64 serves references and
    ``gradcheck``, not speed);
 1. tensors not on a CUDA device (CPU, meta) and tensor subclasses such as ``DTensor``:
-   PyTorch's ops (there is no cuDNN path; PyTorch's ops carry the subclass's rules, such as
-   DTensor's sharding propagation, which cudnorm's ops do not have);
+   PyTorch's ops. Off CUDA there is no cuDNN path. A DTensor call could run cudnorm's op on
+   each rank's shard (the rules of :mod:`cudnorm._sharding`), but it reaches the op through
+   the dispatcher and DTensor's sharding propagation, host time no measurement has yet shown
+   the kernel saving to repay; other subclasses have rules for PyTorch's ops only;
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements: PyTorch's ops;
 4. otherwise cuDNN.
@@ -27,7 +29,9 @@ with no cudnorm op or autograd node in between:
 Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its
 forward rounds the weights as cuDNN reads them, and its weight gradients stay fp32; on the
 CPU, PyTorch's kernels in fp32). ``policy="cudnn"`` sends every call to cudnorm's own
-path: cuDNN wherever it can serve (benchmarks and tests of that path use it).
+path: cuDNN wherever it can serve (benchmarks and tests of that path use it). Where a
+DTensor takes cudnorm's own path (either of these), cudnorm's ops run on each rank's local
+shard and return DTensors placed by the rules of :mod:`cudnorm._sharding`.
 """
 
 from __future__ import annotations

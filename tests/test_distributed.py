@@ -14,12 +14,14 @@ rank; the test process makes every assertion on those files.
   column/row-wise MLP linears) computes what the unsharded model computes in one process; the
   norm outputs are DTensors sharded on the sequence dim.
 
-DDP and FSDP2 run twice: under ``policy="auto"`` (on the CPU and for small GPU calls this
-hands every norm to PyTorch's op) and under ``policy="cudnn"``, which sends every norm
-through cudnorm's own ``autograd.Function`` (its PyTorch fallback kernels on the CPU, cuDNN's
-graphs on a GPU); the tests check which autograd node produced each norm output.
-Tensor subclasses (DTensor, under TP/SP) take PyTorch's ops only under ``policy="auto"``;
-the TP test pins down that ``policy="cudnn"`` refuses them (no sharding rule for cudnorm's op).
+DDP, FSDP2 and TP + SP run twice: under ``policy="auto"`` (on the CPU and for small GPU calls
+this hands every norm to PyTorch's op, DTensors at every size) and under ``policy="cudnn"``,
+which sends every norm through cudnorm's own ops (its PyTorch fallback kernels on the CPU,
+cuDNN's graphs on a GPU; DTensors through the sharding rules of cudnorm._sharding); the tests
+check which autograd node produced each norm output. The TP workers also call each public
+function on DTensors placed every way (batch, sequence, replicated, and sharded on the
+normalised dim), checked against the same call on whole tensors; tests/test_sharding.py
+runs more such calls in one process.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ SPAWN_TIMEOUT_S = 240
 # run the same kernels; with policy="cudnn" cudnorm's fallback recomputes in another order
 # (cuDNN on a GPU), so they may differ by rounding, compounded over the steps
 FP32_TOL = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
-# TP against one process: sharded matmuls sum their partial products in another order
+# TP against one process: sharded matmuls sum their partial products in another order (and a
+# norm's weight gradient, summed per rank and then across the ranks)
 TP_TOL = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
 # bf16 parameters (FSDP2 mixed precision): cudnorm computes in fp32 and rounds once, PyTorch's
 # bf16 RMSNorm may round elsewhere; a few bf16 ulps per step
@@ -333,17 +336,13 @@ def _scenario_fsdp2(rank, device):
     return out
 
 
-def _scenario_tp(rank, device):
+def _tp_run(mesh, device, policy, tokens, targets):
+    """One TP + SP training run of the Llama stack against the same stack unsharded, under ``policy``."""
     import cudnorm
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    mesh = init_device_mesh(device.type, (WORLD,))
-    gen = torch.Generator().manual_seed(300)  # the same batch on both ranks: they split one model, not the data
-    tokens = [torch.randint(0, VOCAB, (BATCH, TOKENS), generator=gen).to(device) for _ in range(TP_STEPS)]
-    targets = [(5 * t + 1) % VOCAB for t in tokens]
-    with _cudnorm_config("auto", device):
+    with _cudnorm_config(policy, device):
         tp_model, single = _twins(lambda: LlamaStack(cudnorm.RMSNorm), lambda: LlamaStack(cudnorm.RMSNorm))
         tp_model, single = tp_model.to(device), single.to(device)
         plan = {
@@ -383,6 +382,7 @@ def _scenario_tp(rank, device):
                 rec["norm_out_types"] = [type(o).__name__ for o in seen_tp]
                 rec["norm_out_placements"] = [[repr(p) for p in o.placements] for o in seen_tp]
                 rec["norm_out_local_shapes"] = [list(o.to_local().shape) for o in seen_tp]
+                rec["nodes_tp"] = [_node(o) for o in seen_tp]
                 rec["norm_out_tp"] = [o.full_tensor().detach().cpu() for o in seen_tp]
                 rec["norm_out_single"] = [o.detach().cpu() for o in seen_single]
                 g = tp_model.layers[0].ffn_norm.weight.grad
@@ -396,17 +396,83 @@ def _scenario_tp(rank, device):
         rec["losses_tp"], rec["losses_single"] = losses_tp, losses_single
         rec["final_tp"] = {n: p.full_tensor().detach().cpu() for n, p in tp_model.named_parameters()}
         rec["final_single"] = {n: p.detach().cpu() for n, p in single.named_parameters()}
-
-    # policy="cudnn" sends DTensors to cudnorm's own op, which has no sharding rule
-    x = distribute_tensor(torch.randn(BATCH, TOKENS, DIM, device=device), mesh, [Shard(1)])
-    w = distribute_tensor(torch.ones(DIM, device=device), mesh, [Replicate()])
-    with _cudnorm_config("cudnn", device):
-        try:
-            cudnorm.rms_norm(x, (DIM,), w, 1e-5)
-            rec["cudnn_policy_dtensor"] = "ran"
-        except Exception as exc:  # noqa: BLE001 - what it raises is the record
-            rec["cudnn_policy_dtensor"] = f"{type(exc).__name__}: {exc}"
     return rec
+
+
+def flattens_sequence_shards(mesh) -> bool:
+    """Whether this torch's DTensor reshapes ``[B, S, N]`` sharded on ``S`` (over a 1-D ``mesh``)
+    into ``[B*S, N]`` rows without a redistribution, as cudnorm.layer_norm/rms_norm do before
+    their op: torch 2.13 does (a strided shard of the rows), torch 2.11 raises "Attempted to
+    flatten multiple dimensions, with dimension 1 being sharded"."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(torch.zeros(2, 2 * mesh.size(), 2, device=mesh.device_type), mesh, [Shard(1)])
+    try:
+        x.reshape(-1, 2)
+    except RuntimeError:
+        return False
+    return True
+
+
+SEQUENCE_SHARD_SKIP = "this torch's DTensor cannot flatten a sequence shard (torch 2.11 cannot, 2.13 can)"
+DTENSOR_CALLS = ("layer_norm", "rms_norm", "rms_norm_offset", "ada_layer_norm")
+X_PLACEMENTS = ("Shard(dim=0)", "Shard(dim=1)", "Replicate()", "Shard(dim=2)")  # Shard(2): the normalised dim
+
+
+def _dtensor_calls(mesh, device, sequence_shards: bool):
+    """Each public function on DTensors under ``policy="cudnn"`` (cudnorm's ops, placed by
+    cudnorm._sharding), ``x: [B, S, D]`` in each of :data:`X_PLACEMENTS`, weights and AdaLN's
+    modulation replicated; and the same call on whole plain tensors (``"ref"``). Records the
+    autograd node, the placements and full values of the output and of every gradient.
+    Without ``sequence_shards`` (:func:`flattens_sequence_shards`) the LayerNorm and RMSNorm
+    calls on ``Shard(1)`` are left out."""
+    import cudnorm
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(400)  # the same tensors on both ranks
+    x = torch.randn(BATCH, TOKENS, DIM, generator=gen)
+    w, b = 1 + 0.2 * torch.randn(DIM, generator=gen), 0.1 * torch.randn(DIM, generator=gen)
+    scale, shift = 0.5 * torch.randn(BATCH, DIM, generator=gen), 0.5 * torch.randn(BATCH, DIM, generator=gen)
+    calls = {"layer_norm": (lambda x, w, b: cudnorm.layer_norm(x, (DIM,), w, b, 1e-5), [w, b]),
+             "rms_norm": (lambda x, w: cudnorm.rms_norm(x, (DIM,), w, 1e-5), [w]),
+             "rms_norm_offset": (lambda x, w: cudnorm.rms_norm(x, (DIM,), w, 1e-5, weight_offset=1.0), [w - 1]),
+             "ada_layer_norm": (lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=True),
+                                [scale, shift])}
+    placements = dict(zip(X_PLACEMENTS, (Shard(0), Shard(1), Replicate(), Shard(2)), strict=True))
+    out = {}
+    for name, (fn, params) in calls.items():
+        with _cudnorm_config("auto", device):  # plain tensors: no DTensor, one process's answer
+            inputs = [t.to(device, copy=True).requires_grad_() for t in (x, *params)]  # x itself stays a constant
+            y = fn(*inputs)
+            y.pow(2).sum().backward()
+            out[name, "ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in inputs]
+        for label, placement in placements.items():
+            if label == "Shard(dim=1)" and not sequence_shards and name != "ada_layer_norm":
+                continue  # AdaLN takes [B, S, D] as it is; the others flatten it
+            with _cudnorm_config("cudnn", device):
+                inputs = [distribute_tensor(t.to(device), mesh, [placement if t.dim() == 3 else Replicate()])
+                          for t in (x, *params)]
+                inputs = [t.requires_grad_() for t in inputs]
+                y = fn(*inputs)
+                y.pow(2).sum().backward()
+                tensors = [y, *(t.grad for t in inputs)]
+                out[name, label] = {"node": _node(y), "placements": [[repr(p) for p in t.placements] for t in tensors],
+                                    "values": [t.full_tensor().detach().cpu() for t in tensors]}
+    return out
+
+
+def _scenario_tp(rank, device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (WORLD,))
+    gen = torch.Generator().manual_seed(300)  # the same batch on both ranks: they split one model, not the data
+    tokens = [torch.randint(0, VOCAB, (BATCH, TOKENS), generator=gen).to(device) for _ in range(TP_STEPS)]
+    targets = [(5 * t + 1) % VOCAB for t in tokens]
+    sequence_shards = flattens_sequence_shards(mesh)  # else cudnorm's RMSNorm cannot take SP's activations
+    out = {policy: _tp_run(mesh, device, policy, tokens, targets)
+           for policy in (("auto", "cudnn") if sequence_shards else ("auto",))}
+    out["calls"] = _dtensor_calls(mesh, device, sequence_shards)
+    return out
 
 
 SCENARIOS = {"ddp": _scenario_ddp, "fsdp2": _scenario_fsdp2, "tp": _scenario_tp}
@@ -526,35 +592,89 @@ def test_fsdp2_llama_trains_like_torch_rmsnorm(device_type, tmp_path):
     assert {key[1] for key in ranks[0]} == {"fp32", "bf16"}
 
 
+@pytest.fixture(scope="module")
+def tp_ranks(tmp_path_factory):
+    """``tp_ranks(device_type)``: the TP workers' records, spawned once for the two tests that read them."""
+    records = {}
+
+    def get(device_type):
+        if device_type not in records:
+            records[device_type] = run_workers("tp", device_type, tmp_path_factory.mktemp("tp"))
+        return records[device_type]
+
+    return get
+
+
 @pytest.mark.parametrize("device_type", BACKENDS)
-def test_tensor_and_sequence_parallel_match_one_process(device_type, tmp_path):
-    ranks = run_workers("tp", device_type, tmp_path)
+def test_tensor_and_sequence_parallel_match_one_process(device_type, tp_ranks):
+    ranks = tp_ranks(device_type)
     tol = TP_TOL[device_type]
-    for rank, rec in enumerate(ranks):
-        where = f"rank {rank}"
-        assert rec["modules"] == ["RMSNorm"], where
-        assert rec["plain_params"] == [], where
-        placements = rec["placements"]
-        assert placements["layers.0.ffn_norm.weight"] == ["Replicate()"], placements
-        assert placements["norm.weight"] == ["Replicate()"], placements
-        assert placements["layers.0.feed_forward.w1.weight"] == ["Shard(dim=0)"], placements  # column-wise
-        assert placements["layers.0.feed_forward.w2.weight"] == ["Shard(dim=1)"], placements  # row-wise
-        assert placements["tok_embeddings.weight"] == ["Shard(dim=0)"], placements
-        # norm outputs: DTensors sharded on the sequence dim, half the tokens on each rank
-        assert rec["norm_out_types"] == ["DTensor"] * 3, rec["norm_out_types"]
-        assert rec["norm_out_placements"] == [["Shard(dim=1)"]] * 3, rec["norm_out_placements"]
-        assert rec["norm_out_local_shapes"] == [[BATCH, TOKENS // WORLD, DIM]] * 3, rec["norm_out_local_shapes"]
-        for i, (got, want) in enumerate(zip(rec["norm_out_tp"], rec["norm_out_single"], strict=True)):
-            _close(got, want, tol, f"{where}: norm output {i}")
-        assert rec["logits_type"] == "Tensor"  # output_layouts=Replicate(): full logits on every rank
-        _close(rec["logits_tp"], rec["logits_single"], tol, f"{where}: logits")
-        # a replicated weight with sequence-sharded activations: partial gradients, summed when gathered
-        assert rec["norm_grad_placements"] in (["Partial(sum)"], ["Replicate()"]), rec["norm_grad_placements"]
-        _close(rec["norm_grad_tp"], rec["norm_grad_single"], dict(rtol=1e-4, atol=1e-6), f"{where}: norm weight grad")
-        _close(rec["losses_tp"], rec["losses_single"], tol, f"{where}: losses")
-        assert rec["losses_tp"][-1] < rec["losses_tp"][0], rec["losses_tp"]
-        for name, want in rec["final_single"].items():
-            _close(rec["final_tp"][name], want, dict(rtol=1e-4, atol=1e-5), f"{where}: trained {name}")
-        assert rec["cudnn_policy_dtensor"].startswith("NotImplementedError"), rec["cudnn_policy_dtensor"]
-        assert "sharding strategy" in rec["cudnn_policy_dtensor"], rec["cudnn_policy_dtensor"]
-    torch.testing.assert_close(ranks[0]["logits_tp"], ranks[1]["logits_tp"], rtol=0, atol=0)
+    policies = [policy for policy in ("auto", "cudnn") if policy in ranks[0]]
+    for policy in policies:
+        for rank, all_recs in enumerate(ranks):
+            rec = all_recs[policy]
+            where = f"rank {rank}, policy={policy}"
+            assert rec["modules"] == ["RMSNorm"], where
+            assert rec["plain_params"] == [], where
+            placements = rec["placements"]
+            assert placements["layers.0.ffn_norm.weight"] == ["Replicate()"], placements
+            assert placements["norm.weight"] == ["Replicate()"], placements
+            assert placements["layers.0.feed_forward.w1.weight"] == ["Shard(dim=0)"], placements  # column-wise
+            assert placements["layers.0.feed_forward.w2.weight"] == ["Shard(dim=1)"], placements  # row-wise
+            assert placements["tok_embeddings.weight"] == ["Shard(dim=0)"], placements
+            # norm outputs: DTensors sharded on the sequence dim, half the tokens on each rank
+            assert rec["norm_out_types"] == ["DTensor"] * 3, rec["norm_out_types"]
+            assert rec["norm_out_placements"] == [["Shard(dim=1)"]] * 3, rec["norm_out_placements"]
+            assert rec["norm_out_local_shapes"] == [[BATCH, TOKENS // WORLD, DIM]] * 3, rec["norm_out_local_shapes"]
+            if policy == "cudnn":  # cudnorm's op on each rank's tokens, through its sharding rule
+                assert set(rec["nodes_tp"]) == {"GeneratedBackwardFor_cudnorm_rms_norm_fwd_defaultBackward"}, \
+                    (where, rec["nodes_tp"])
+            else:
+                assert not any("cudnorm" in n for n in rec["nodes_tp"]), (where, rec["nodes_tp"])
+            for i, (got, want) in enumerate(zip(rec["norm_out_tp"], rec["norm_out_single"], strict=True)):
+                _close(got, want, tol, f"{where}: norm output {i}")
+            assert rec["logits_type"] == "Tensor"  # output_layouts=Replicate(): full logits on every rank
+            _close(rec["logits_tp"], rec["logits_single"], tol, f"{where}: logits")
+            # a replicated weight with sequence-sharded activations: partial gradients, summed when
+            # gathered (cudnorm's rule says Partial; how PyTorch's own op leaves it depends on its release)
+            want_grad = [["Partial(sum)"]] if policy == "cudnn" else [["Partial(sum)"], ["Replicate()"]]
+            assert rec["norm_grad_placements"] in want_grad, rec["norm_grad_placements"]
+            _close(rec["norm_grad_tp"], rec["norm_grad_single"], dict(rtol=1e-4, atol=1e-6),
+                   f"{where}: norm weight grad")
+            _close(rec["losses_tp"], rec["losses_single"], tol, f"{where}: losses")
+            assert rec["losses_tp"][-1] < rec["losses_tp"][0], rec["losses_tp"]
+            for name, want in rec["final_single"].items():
+                _close(rec["final_tp"][name], want, dict(rtol=1e-4, atol=1e-5), f"{where}: trained {name}")
+        torch.testing.assert_close(ranks[0][policy]["logits_tp"], ranks[1][policy]["logits_tp"], rtol=0, atol=0)
+    if "cudnn" not in policies:
+        pytest.skip(f'policy="cudnn" not run: {SEQUENCE_SHARD_SKIP}')
+
+
+@pytest.mark.parametrize("device_type", BACKENDS)
+def test_cudnn_policy_runs_cudnorms_ops_on_dtensors(device_type, tp_ranks):
+    """The TP workers' direct calls (``_dtensor_calls``): cudnorm's own op ran, the output and
+    gradients are placed by its rules and equal one process's whole-tensor call."""
+    calls = [rec["calls"] for rec in tp_ranks(device_type)]
+    tol = TP_TOL[device_type]
+    left_out = [(name, label) for name in DTENSOR_CALLS for label in X_PLACEMENTS if (name, label) not in calls[0]]
+    assert left_out in ([], [(name, "Shard(dim=1)") for name in DTENSOR_CALLS if name != "ada_layer_norm"]), left_out
+    for rank, rec in enumerate(calls):
+        for name in DTENSOR_CALLS:
+            op = name.removesuffix("_offset")
+            for label in X_PLACEMENTS:
+                if (name, label) in left_out:
+                    continue
+                got, where = rec[name, label], f"rank {rank}: {name} on {label}"
+                assert got["node"] == f"GeneratedBackwardFor_cudnorm_{op}_fwd_defaultBackward", (where, got["node"])
+                out, dx, *dparams = got["placements"]
+                if label == "Shard(dim=2)":  # the normalised dim: rows made whole before the op
+                    assert out == dx and "dim=2" not in out[0], (where, got["placements"])
+                else:  # rows: each rank normalises its own; replicated weights get per-rank sums
+                    assert out == dx == [label], (where, got["placements"])
+                    batch_shard_modulation = name == "ada_layer_norm" and label == "Shard(dim=0)"
+                    want = [label] if batch_shard_modulation or label == "Replicate()" else ["Partial(sum)"]
+                    assert all(p == want for p in dparams), (where, dparams)
+                for i, (value, ref) in enumerate(zip(got["values"], rec[name, "ref"], strict=True)):
+                    _close(value, ref, tol, f"{where}, tensor {i}")
+    if left_out:
+        pytest.skip(f"{left_out} not run: {SEQUENCE_SHARD_SKIP}")
