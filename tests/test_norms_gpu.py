@@ -179,7 +179,11 @@ def test_fused_residual_add_on_cudnn(rms, dtype, n, fresh_cache):
     torch.testing.assert_close(h, x + r)
     x.requires_grad_()
     y_train, _ = fn(x, n, *params, residual=r)
-    torch.testing.assert_close(y, y_train.detach())
+    # the two phases may run different kernels at 64 rows (a row count first seen runs PyTorch's
+    # fp32 fallback until the row policy gives it a graph): they agree to one rounding step
+    step = torch.finfo(dtype).eps * y_train.detach().abs().amax().float()
+    rtol = 1.3e-6 if dtype is torch.float32 else 0.0  # fp32: assert_close's default
+    torch.testing.assert_close(y, y_train.detach(), rtol=rtol, atol=max(step.item(), 1e-5))
 
 
 def test_no_grad_runs_inference_graph(fresh_cache):

@@ -230,12 +230,12 @@ def _output_and_grads(model, inputs):
 
 def _assert_grads_close(got, want):
     """Per-tensor relative error <= F32_TOL; gradients that are zero in exact arithmetic (an
-    attention key's bias: softmax ignores it) carry only rounding noise and are held to F32_TOL
-    of the largest gradient's norm."""
+    attention key's bias: softmax ignores it) carry only rounding noise, about 1e-8 of the
+    largest gradient's norm in fp32 (PixArt under compile on an H100), held to F32_TOL of 1% of it."""
     largest = max(w.norm() for w in want.values())
     assert got.keys() == want.keys()
     for name, w in want.items():
-        assert (got[name] - w).norm() <= F32_TOL * max(w.norm(), 1e-3 * largest), name
+        assert (got[name] - w).norm() <= F32_TOL * max(w.norm(), 1e-2 * largest), name
 
 
 # ---------------------------------------------------------------- patched models
