@@ -6,9 +6,10 @@
 All ranks form one tensor-parallel group and see the same batch. Attention heads and the MLP
 hidden units are split over the ranks (column-wise in, row-wise out); between the blocks the
 activations are split along the sequence, so each rank normalises only its own tokens
-(``SequenceParallel`` on every RMSNorm). The norms receive DTensors, and cudnorm hands
-DTensor inputs to PyTorch's RMSNorm, which keeps the sequence sharding; that needs the default
-``policy="auto"`` (``policy="cudnn"`` raises: cudnorm's own op has no sharding rule yet).
+(``SequenceParallel`` on every RMSNorm). The norms receive DTensors sharded on the sequence.
+Under the default ``policy="auto"`` cudnorm hands them to PyTorch's RMSNorm; under
+``cudnorm.config(policy="cudnn")`` cudnorm's own op runs on each rank's shard, placed by its
+sharding rules (docs/distributed.md). Either way the output keeps the sequence sharding.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ class FeedForward(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, norm: type[nn.Module] = cudnorm.RMSNorm) -> None:
         super().__init__()
-        self.attention_norm = cudnorm.RMSNorm(dim, eps=1e-5)
+        self.attention_norm = norm(dim, eps=1e-5)
         self.attention = Attention(dim, heads)
-        self.ffn_norm = cudnorm.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = norm(dim, eps=1e-5)
         self.feed_forward = FeedForward(dim, 3 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,11 +71,14 @@ class Layer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, dim: int = 64, depth: int = 2, heads: int = 4) -> None:
+    """``norm``: the RMSNorm class (``torch.nn.RMSNorm`` gives the same model on PyTorch's
+    norms, as ``benchmarks/distributed_steps.py`` compares)."""
+
+    def __init__(self, dim: int = 64, depth: int = 2, heads: int = 4, norm: type[nn.Module] = cudnorm.RMSNorm) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(Layer(dim, heads) for _ in range(depth))
-        self.norm = cudnorm.RMSNorm(dim, eps=1e-5)
+        self.layers = nn.ModuleList(Layer(dim, heads, norm) for _ in range(depth))
+        self.norm = norm(dim, eps=1e-5)
         self.output = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch
 from cudnorm import cli
 from cudnorm._bench import accuracy, cuda_graph, host_overhead, providers, report, runner
 
+ROOT = Path(__file__).resolve().parent.parent
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -158,3 +163,22 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
     assert {r["call"] for r in stages} == {"layer_norm fwd-train", "layer_norm bwd", "ada_layer_norm fwd-train",
                                            "ada_layer_norm bwd"}
     assert all(r["us"] > 0 for r in stages)
+
+
+
+def test_distributed_steps_quick_run_times_every_provider(tmp_path):
+    """``benchmarks/distributed_steps.py --quick`` under torchrun with 2 gloo processes: FSDP2
+    and TP + SP each give a row per provider with a positive step time (the script's
+    mechanics; its speed figures come from GPU runs)."""
+    out = tmp_path / "steps.csv"
+    for setup in ("fsdp2", "tp"):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(ROOT / "benchmarks" / "distributed_steps.py"), "--quick", "--setup", setup,
+                               "--out", str(out)],
+                              capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = _read_csv(out)
+    assert [(r["setup"], r["provider"]) for r in rows] == [
+        (s, p) for s in ("fsdp2", "tp") for p in ("torch", "cudnorm", "cudnorm-cudnn")]
+    assert all(r["status"] == "ok" and float(r["ms_per_step"]) > 0 for r in rows), rows
