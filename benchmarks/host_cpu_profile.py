@@ -25,26 +25,23 @@ M, N = 64, 4096
 ADA_B, ADA_S, ADA_D = 4, 64, 768
 
 
-class NoOpPlan(_graphs.Plan):
-    """A built plan as far as the dispatch code can tell, whose launch only reads the
-    buffers' addresses."""
-
-    def __init__(self, spec):
-        super().__init__(spec=spec, graph=None, uids=(), workspace_size=0, plan_name="no-op", build_seconds=0.0)
-
-    def run(self, *buffers):
-        for b in buffers:
-            if b is not None:
-                b.data_ptr()
-
-    def launch(self, pointers):
-        pass  # the ops' hot paths launch by address (Plan.launch)
+def _noop_run(plan, *buffers):
+    for b in buffers:
+        if b is not None:
+            b.data_ptr()
 
 
 def install_noop_plans():
-    """Route CPU tensors to 'cuDNN' and answer every spec with a :class:`NoOpPlan`."""
+    """Route CPU tensors to 'cuDNN' and answer every spec with a plan whose launch does
+    nothing. The plans are real :class:`~cudnorm._graphs.Plan` objects (the ops take their
+    address path only for that exact type, so a subclass would time another branch); their
+    ``run``/``launch`` are replaced for the process."""
     _dispatch.route = lambda tensor: None
-    _cache._build = NoOpPlan  # a miss "builds" a no-op plan: the cache path stays the real one
+    _graphs.Plan.run = _noop_run
+    _graphs.Plan.launch = lambda plan, pointers: None  # the ops' hot paths launch by address
+    # a miss "builds" a no-op plan: the cache path stays the real one
+    _cache._build = lambda spec: _graphs.Plan(spec=spec, graph=None, uids=(), workspace_size=0, plan_name="no-op",
+                                              build_seconds=0.0)
 
 
 def per_call_us(fn, calls: int = 20000, repeats: int = 5) -> float:

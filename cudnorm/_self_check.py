@@ -42,16 +42,27 @@ def _cases(device: str):
                    lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-6),
                    lambda x, w: F.rms_norm(x, (n,), w.to(x.dtype), 1e-6),
                    lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), ("y", "dx", "dweight"))
-    yield from _extra_cases(device)
+    yield from _ada_cases(device)
 
 
-def _extra_cases(device: str):
-    """Cases contributed by optional op families (AdaLN) once they are importable."""
-    try:
-        from .ada_layer_norm import check_cases  # noqa: PLC0415
-    except ImportError:
-        return
-    yield from check_cases(device, DTYPES)
+def _ada_cases(device: str, dtypes=DTYPES):
+    """AdaLN: both conventions, fp32 and activation-dtype scale/shift, a DiT-like shape."""
+    import cudnorm  # noqa: PLC0415
+
+    b, s, d = 4, 250, 1152
+    for dtype in dtypes:
+        for wdtype in dict.fromkeys((torch.float32, dtype)):
+            for dit in (True, False):
+                g = torch.Generator(device="cpu").manual_seed(0)
+                x = torch.randn((b, s, d), generator=g).to(device, dtype)
+                scale = ((0.0 if dit else 1.0) + 0.1 * torch.randn((b, d), generator=g)).to(device, wdtype)
+                shift = (0.1 * torch.randn((b, d), generator=g)).to(device, wdtype)
+                tag = f"{str(dtype)[6:]} x, {str(wdtype)[6:]} scale, {'1+scale' if dit else 'scale'}"
+                yield (f"ada_layer_norm ({tag})", dtype,
+                       lambda x, sc, sh, dit=dit: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
+                       lambda x, sc, sh, dit=dit: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, dit),
+                       lambda x, sc, sh, dit=dit: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
+                       (x, scale, shift), ("y", "dx", "dscale", "dshift"))
 
 
 def check(device: str | None = None) -> list[dict]:

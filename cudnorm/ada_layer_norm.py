@@ -20,22 +20,23 @@ slower than PyTorch's own norms.)
 
 Forward strategies (:data:`FORWARD_RULES`, ``cudnorm.config(ada_forward=...)`` forces one):
 
-* ``cudnn``: cuDNN's adalayernorm forward graph, one launch.
-* ``per_sample``: the plain LayerNorm forward graph launched once per sample with weight
-  ``gain[b]`` and bias ``shift[b]``.
+* ``cudnn`` (:class:`CudnnForward`): cuDNN's adalayernorm forward graph, one launch.
+* ``per_sample`` (:class:`PerSampleForward`): the plain LayerNorm forward graph launched
+  once per sample with weight ``gain[b]`` and bias ``shift[b]``.
 * ``torch``: PyTorch's kernels in fp32 (also the CPU path).
 
 Backward strategies (:data:`BACKWARD_RULES`, ``cudnorm.config(ada_backward=...)`` forces one):
 
-* ``per_sample``: the plain LayerNorm backward graph launched once per sample with weight
-  ``gain[b]``; its dW/dB are that sample's dscale/dshift.
-* ``cudnn``: cuDNN's adalayernorm backward graph, one launch (slow in 9.19 for more than a
-  few samples: 3.5 ms at 32x256x1152 against 0.16 ms per sample).
+* ``per_sample`` (:class:`PerSampleBackward`): the plain LayerNorm backward graph launched
+  once per sample with weight ``gain[b]``; its dW/dB are that sample's dscale/dshift.
+* ``cudnn`` (:class:`CudnnBackward`): cuDNN's adalayernorm backward graph, one launch (slow
+  in 9.19 for more than a few samples: 3.5 ms at 32x256x1152 against 0.16 ms per sample).
 * ``torch``: the fp32 PyTorch formula.
 
-A strategy that cannot serve a call (an unaligned layout, a declined graph) falls through to
-the next one (:data:`_FORWARD_ORDER`, :data:`_BACKWARD_ORDER`), so forcing one changes
-speed, never the function computed.
+Each strategy class says what it builds (``spec``) and how it runs (``run``); the rules say
+when it is picked. A strategy that cannot serve a call (an unaligned layout, a declined
+graph) falls through to the next one (:data:`_FORWARD_ORDER`, :data:`_BACKWARD_ORDER`), so
+forcing one changes speed, never the function computed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import torch
 import torch.nn.functional as F
 
 from . import _cache, _call_plans, _checks, _dispatch, _policy, _runtime, _settings
-from . import reference as ref
 from ._graphs import eps_scalar
 from ._spec import NormSpec
 
@@ -174,11 +174,11 @@ def _run_forward(x, scale, shift, eps, dit, training):
             _cache.plans.count_hit()
             return hit[0](hit[1], x2, b, scale, shift, dit, dtype, eps, training)
         for name in _FORWARD_ORDER[_forward_strategy(b, s, d, x.dtype)]:
-            find_plan, run = _FORWARDS[name]
-            plan = find_plan(x2, b, dtype, training)
+            strategy = _FORWARDS[name]
+            plan = _plan(strategy.spec(x2, b, dtype, training, x2.device.index))
             if plan is not None:
-                _forward_plans.put(signature, (run, plan))
-                return run(plan, x2, b, scale, shift, dit, dtype, eps, training)
+                _forward_plans.put(signature, (strategy.run, plan))
+                return strategy.run(plan, x2, b, scale, shift, dit, dtype, eps, training)
     return _torch_forward(x, *_modulation(scale, shift, dit, dtype), eps, training)
 
 
@@ -202,53 +202,79 @@ def _forward_outputs(x2, b, training):
     return y, _dispatch.stats_buffer(rows, 2, x2.device) if training else None
 
 
-# Each forward strategy is a pair: ``find_plan(x2, b, dtype, training)`` returns the plan that
-# serves ``x2: [B*S, D]`` with gain/shift of ``dtype`` (``None``: it cannot), and
-# ``run(plan, x2, b, scale, shift, dit, dtype, eps, training)`` launches it on the caller's
-# scale/shift and returns ``(y, stats)``.
-
-def _cudnn_plan(x2, b, dtype, training):
-    return _cache.get_plan(_dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype,
-                                                 x2.device.index, batch=b))
+# ---------------------------------------------------------------- strategies
+#
+# A strategy is a class read as: what it builds (``spec``: the graph that serves the call, or
+# None where it cannot: an unaligned layout), how it runs (``run``: the launches on the
+# call's own tensors). The rules above say when each is picked; a strategy that cannot serve
+# hands the call to the next in its order (_FORWARD_ORDER, _BACKWARD_ORDER).
 
 
-def _run_cudnn(plan, x2, b, scale, shift, dit, dtype, eps, training):
-    gain, shift = _modulation(scale, shift, dit, dtype)
-    y, stats = _forward_outputs(x2, b, training)
-    eps_holder, eps_address = eps_scalar(eps, 3)  # the holder keeps the host scalar alive until the launch
-    pointers = [x2.data_ptr(), gain.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr()]
-    if training:
-        mean = stats.data_ptr()
-        pointers += [mean, mean + 4 * stats.shape[1]]
-    plan.launch(pointers)
-    return y, stats
+def _plan(spec: NormSpec | None):
+    """The plan of ``spec`` (``None`` when there is no spec or cuDNN declines it)."""
+    return None if spec is None else _cache.get_plan(spec)
 
 
-def _per_sample_fwd_plan(x2, b, dtype, training):
-    rows, d = x2.shape
-    s = rows // b
-    # the statistics are written straight into the caller's buffer: a sample's rows must be aligned
-    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), dtype.itemsize) or s % 4:
-        return None
-    return _cache.get_plan(_dispatch.spec_for("layer_norm", "train" if training else "infer", x2[:s], dtype,
-                                                 x2.device.index))
+class CudnnForward:
+    """``cudnn``: cuDNN's adalayernorm forward graph over all ``B*S`` rows, one launch reading
+    ``gain``/``shift`` ``[B, D]``. The rules pick it at every shape."""
+
+    name = "cudnn"
+
+    @staticmethod
+    def spec(x2, b, dtype, training, device_index):
+        """``x2``: ``[B*S, D]``; ``dtype``: the gain/shift dtype the graph reads."""
+        return _dispatch.spec_for(_OP, "train" if training else "infer", x2, dtype, device_index, batch=b)
+
+    @staticmethod
+    def run(plan, x2, b, scale, shift, dit, dtype, eps, training):
+        """``(y [B, S, D], stats or None)``."""
+        gain, shift = _modulation(scale, shift, dit, dtype)
+        y, stats = _forward_outputs(x2, b, training)
+        eps_holder, eps_address = eps_scalar(eps, 3)  # the holder keeps the host scalar alive until the launch
+        pointers = [x2.data_ptr(), gain.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr()]
+        if training:
+            mean = stats.data_ptr()
+            pointers += [mean, mean + 4 * stats.shape[1]]
+        plan.launch(pointers)
+        return y, stats
 
 
-def _run_per_sample(plan, x2, b, scale, shift, dit, dtype, eps, training):
-    gain, shift = _modulation(scale, shift, dit, dtype)
-    y, stats = _forward_outputs(x2, b, training)
-    rows, d = x2.shape
-    s = rows // b
-    eps_holder, eps_address = eps_scalar(eps)  # the holder keeps the host scalar alive until the launch
-    # per sample: x, weight gain[b], bias shift[b], eps, y, and when training mean, rstd
-    steps = [s * x2.stride(0) * x2.element_size(), d * dtype.itemsize, d * dtype.itemsize, 0, s * d * x2.element_size()]
-    bases = [x2.data_ptr(), gain.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr()]
-    if training:
-        mean = stats.data_ptr()
-        bases += [mean, mean + 4 * stats.shape[1]]
-        steps += [4 * s, 4 * s]
-    _launch_per_sample(plan, b, bases, steps)
-    return y, stats
+class PerSampleForward:
+    """``per_sample``: the plain LayerNorm forward graph of one sample's ``S`` rows, launched
+    ``B`` times with weight ``gain[b]`` and bias ``shift[b]``. Only when forced, or where
+    ``cudnn`` cannot serve."""
+
+    name = "per_sample"
+
+    @staticmethod
+    def spec(x2, b, dtype, training, device_index):
+        """``None`` unless every sample's rows are 16-byte aligned: the statistics are written
+        straight into the caller's buffer, so a sample's rows must be aligned there too."""
+        rows, d = x2.shape
+        s = rows // b
+        if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), dtype.itemsize) or s % 4:
+            return None
+        return _dispatch.spec_for("layer_norm", "train" if training else "infer", x2[:s], dtype, device_index)
+
+    @staticmethod
+    def run(plan, x2, b, scale, shift, dit, dtype, eps, training):
+        """``(y [B, S, D], stats or None)``."""
+        gain, shift = _modulation(scale, shift, dit, dtype)
+        y, stats = _forward_outputs(x2, b, training)
+        rows, d = x2.shape
+        s = rows // b
+        eps_holder, eps_address = eps_scalar(eps)  # the holder keeps the host scalar alive until the launch
+        # per sample: x, weight gain[b], bias shift[b], eps, y, and when training mean, rstd
+        steps = [s * x2.stride(0) * x2.element_size(), d * dtype.itemsize, d * dtype.itemsize, 0,
+                 s * d * x2.element_size()]
+        bases = [x2.data_ptr(), gain.data_ptr(), shift.data_ptr(), eps_address, y.data_ptr()]
+        if training:
+            mean = stats.data_ptr()
+            bases += [mean, mean + 4 * stats.shape[1]]
+            steps += [4 * s, 4 * s]
+        _launch_per_sample(plan, b, bases, steps)
+        return y, stats
 
 
 def _launch_per_sample(plan, count: int, bases: list[int], steps: list[int]) -> None:
@@ -265,7 +291,7 @@ def _launch_per_sample(plan, count: int, bases: list[int], steps: list[int]) -> 
         launch([base + k * step for base, step in zip(bases, steps)], workspace, backend)
 
 
-_FORWARDS = {"cudnn": (_cudnn_plan, _run_cudnn), "per_sample": (_per_sample_fwd_plan, _run_per_sample)}
+_FORWARDS = {strategy.name: strategy for strategy in (CudnnForward, PerSampleForward)}
 _forward_plans = _call_plans.SignatureMemo("ada_forward_calls")  # signature -> (run, plan) of the strategy that served it
 
 
@@ -291,11 +317,11 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, stats
         out = None if hit is None else hit[0](hit[1], *args)
         if out is None:
             for name in _BACKWARD_ORDER[_backward_strategy(b, s, d, x.dtype)]:
-                find_plan, run = _BACKWARDS[name]
-                plan = find_plan(x2, b, scale.dtype)
-                out = None if plan is None else run(plan, *args)
+                strategy = _BACKWARDS[name]
+                plan = _plan(strategy.spec(x2, b, scale.dtype, x2.device.index))
+                out = None if plan is None else strategy.run(plan, *args)
                 if out is not None:
-                    _backward_plans.put(signature, (run, plan))
+                    _backward_plans.put(signature, (strategy.run, plan))
                     break
         if out is not None:
             dx, dscale, dshift = out
@@ -326,74 +352,76 @@ def _backward_outputs(x2, b, scale_dtype):
             torch.empty((b, d), dtype=scale_dtype, device=device))
 
 
-# Each backward strategy is a pair: ``find_plan(x2, b, scale_dtype)`` returns the plan that
-# serves ``x2: [B*S, D]`` (``None``: it cannot), and ``run(plan, dy2, x2, b, scale, stats,
-# dit, shift_dtype)`` returns ``(dx, dscale, dshift)``.
+class CudnnBackward:
+    """``cudnn``: cuDNN's adalayernorm backward graph, one launch reading the gain (and writing
+    dscale/dshift) in the scale's own dtype. The rules pick it for 2-8 samples up to
+    ADA_CUDNN_BACKWARD_MAX elements; beyond, it collapses."""
 
-def _cudnn_bwd_plan(x2, b, scale_dtype):
-    return _cache.get_plan(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, x2.device.index, batch=b))
+    name = "cudnn"
 
+    @staticmethod
+    def spec(x2, b, scale_dtype, device_index):
+        return _dispatch.spec_for(_OP, "bwd", x2, scale_dtype, device_index, batch=b)
 
-def _bwd_cudnn(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
-    """cuDNN's adalayernorm backward, reading the gain (and writing dscale/dshift) in the
-    scale's own dtype."""
-    gain = _gain(scale, dit, scale.dtype)
-    dx, dscale, dshift = _backward_outputs(x2, b, scale.dtype)
-    mean = stats.data_ptr()
-    plan.launch([x2.data_ptr(), gain.data_ptr(), mean, mean + 4 * stats.shape[1], dy2.data_ptr(), dx.data_ptr(),
-                 dscale.data_ptr(), dshift.data_ptr()])
-    return dx, dscale, dshift if shift_dtype is scale.dtype else dshift.to(shift_dtype)
-
-
-def _per_sample_bwd_spec(sample: torch.Tensor, scale_dtype: torch.dtype, device_index: int) -> NormSpec:
-    """The spec of the per-sample LayerNorm backward for ``sample: [S, D]``, the view of one
-    sample's rows (real or meta); it reads the gain and writes dscale/dshift in
-    ``scale_dtype``."""
-    # Autotuned in "auto" mode from 2**22 elements per sample, unlike the other backwards: the
-    # per-sample launches are short, and the plan the heuristics rank first was measured
-    # 4-16% slower there (H200, L2 flushed: 4096x3072 0.0313 vs >= 0.0327 ms, 4096x1152
-    # 0.0185-0.0221 vs >= 0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.txt;
-    # docs/performance.md, Decisions).
-    spec = _dispatch.spec_for("layer_norm", "bwd", sample, scale_dtype, device_index)
-    if not spec.autotune and _settings.current.autotune == "auto" \
-            and spec.rows * spec.cols >= _dispatch.AUTOTUNE_MIN_ELEMENTS:
-        spec = spec._replace(autotune=True)
-    return spec
+    @staticmethod
+    def run(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
+        """``(dx [B*S, D], dscale [B, D], dshift [B, D])``."""
+        gain = _gain(scale, dit, scale.dtype)
+        dx, dscale, dshift = _backward_outputs(x2, b, scale.dtype)
+        mean = stats.data_ptr()
+        plan.launch([x2.data_ptr(), gain.data_ptr(), mean, mean + 4 * stats.shape[1], dy2.data_ptr(), dx.data_ptr(),
+                     dscale.data_ptr(), dshift.data_ptr()])
+        return dx, dscale, dshift if shift_dtype is scale.dtype else dshift.to(shift_dtype)
 
 
-def _per_sample_plan(x2, b, scale_dtype):
-    """The LayerNorm-backward plan of one sample, or ``None`` when the samples are not
-    16-byte aligned or cuDNN declines."""
-    rows, d = x2.shape
-    s = rows // b
-    if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), scale_dtype.itemsize):
-        return None
-    return _cache.get_plan(_per_sample_bwd_spec(x2[:s], scale_dtype, x2.device.index))
+class PerSampleBackward:
+    """``per_sample``: the plain LayerNorm backward graph of one sample, launched ``B`` times
+    with weight ``gain[b]``; its dW/dB are dscale[b]/dshift[b], written straight into the
+    outputs' rows. The rules pick it for one sample and beyond the ``cudnn`` range."""
+
+    name = "per_sample"
+
+    @staticmethod
+    def spec(x2, b, scale_dtype, device_index):
+        """``None`` when the samples are not 16-byte aligned. Autotuned in "auto" mode from
+        2**22 elements per sample, unlike the other backwards: the per-sample launches are
+        short, and the plan the heuristics rank first was measured 4-16% slower there (H200,
+        L2 flushed: 4096x3072 0.0313 vs >= 0.0327 ms, 4096x1152 0.0185-0.0221 vs >=
+        0.0215-0.0237; benchmarks/results/nvidia-h200/autotune.txt; docs/performance.md,
+        Decisions)."""
+        rows, d = x2.shape
+        s = rows // b
+        if not _per_sample_fits(s, x2.stride(0), d, x2.element_size(), scale_dtype.itemsize):
+            return None
+        spec = _dispatch.spec_for("layer_norm", "bwd", x2[:s], scale_dtype, device_index)
+        if not spec.autotune and _settings.current.autotune == "auto" \
+                and spec.rows * spec.cols >= _dispatch.AUTOTUNE_MIN_ELEMENTS:
+            spec = spec._replace(autotune=True)
+        return spec
+
+    @staticmethod
+    def run(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
+        """``(dx [B*S, D], dscale [B, D], dshift [B, D])``."""
+        gain = _gain(scale, dit, scale.dtype)
+        dx, dscale, dshift = _backward_outputs(x2, b, scale.dtype)
+        rows, d = x2.shape
+        s = rows // b
+        xsize, psize = x2.element_size(), scale.element_size()
+        if s % 4:  # a sample's statistics must start 16-byte aligned: copy them to padded rows
+            padded = torch.empty((2, b, -(-s // 4) * 4), dtype=_F32, device=x2.device)
+            padded[:, :, :s].copy_(stats[:, :rows].view(2, b, s))
+            stats = padded.view(2, -1)
+        mean, stat_step = stats.data_ptr(), 4 * (stats.shape[1] // b)
+        # per sample: x, gain, mean, rstd, dy, dx, dscale, dshift (roles() order)
+        bases = [x2.data_ptr(), gain.data_ptr(), mean, mean + 4 * stats.shape[1], dy2.data_ptr(), dx.data_ptr(),
+                 dscale.data_ptr(), dshift.data_ptr()]
+        steps = [s * x2.stride(0) * xsize, d * psize, stat_step, stat_step, s * d * xsize, s * d * xsize, d * psize,
+                 d * psize]
+        _launch_per_sample(plan, b, bases, steps)
+        return dx, dscale, dshift if shift_dtype is scale.dtype else dshift.to(shift_dtype)
 
 
-def _bwd_per_sample(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
-    """B LayerNorm-backward launches, sample ``b`` with weight ``gain[b]``: its dW/dB are
-    dscale[b]/dshift[b], written straight into the outputs' rows."""
-    gain = _gain(scale, dit, scale.dtype)
-    dx, dscale, dshift = _backward_outputs(x2, b, scale.dtype)
-    rows, d = x2.shape
-    s = rows // b
-    xsize, psize = x2.element_size(), scale.element_size()
-    if s % 4:  # a sample's statistics must start 16-byte aligned: copy them to padded rows
-        padded = torch.empty((2, b, -(-s // 4) * 4), dtype=_F32, device=x2.device)
-        padded[:, :, :s].copy_(stats[:, :rows].view(2, b, s))
-        stats = padded.view(2, -1)
-    mean, stat_step = stats.data_ptr(), 4 * (stats.shape[1] // b)
-    # per sample: x, gain, mean, rstd, dy, dx, dscale, dshift (roles() order)
-    bases = [x2.data_ptr(), gain.data_ptr(), mean, mean + 4 * stats.shape[1], dy2.data_ptr(), dx.data_ptr(),
-             dscale.data_ptr(), dshift.data_ptr()]
-    steps = [s * x2.stride(0) * xsize, d * psize, stat_step, stat_step, s * d * xsize, s * d * xsize, d * psize,
-             d * psize]
-    _launch_per_sample(plan, b, bases, steps)
-    return dx, dscale, dshift if shift_dtype is scale.dtype else dshift.to(shift_dtype)
-
-
-_BACKWARDS = {"cudnn": (_cudnn_bwd_plan, _bwd_cudnn), "per_sample": (_per_sample_plan, _bwd_per_sample)}
+_BACKWARDS = {strategy.name: strategy for strategy in (PerSampleBackward, CudnnBackward)}
 _backward_plans = _call_plans.SignatureMemo("ada_backward_calls")  # signature -> (run, plan) of the strategy that served it
 
 
@@ -568,14 +596,14 @@ def _torch_ops(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: f
     return torch.addcmul(shift, xhat, gain)
 
 
-# ---------------------------------------------------------------- warmup, check
+# ---------------------------------------------------------------- warmup
 
 def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype: torch.dtype, device_index: int,
               phases: Iterable[str] = ("train", "bwd", "infer")) -> list[NormSpec]:
     """The specs :func:`ada_layer_norm` requests for a packed ``x: [batch, seq, cols]`` of
     ``x_dtype`` with scale/shift ``[batch, cols]`` of ``scale_dtype``, under the current
-    settings (forward and backward strategy), when cuDNN accepts its first choice. Built by
-    the op's own helpers on meta tensors; tests/test_warmup.py checks them against specs
+    settings (forward and backward strategy), when cuDNN accepts its first choice: the
+    strategies' own ``spec`` on meta tensors. tests/test_warmup.py checks them against specs
     recorded from the op."""
     x2 = torch.empty((batch * seq, cols), dtype=x_dtype, device="meta")
     param = torch.empty((batch, cols), dtype=scale_dtype, device="meta")
@@ -583,41 +611,12 @@ def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype
     specs = []
     for phase in phases:
         if phase == "bwd":
-            strategy = _backward_strategy(batch, seq, cols, x_dtype)
-            if strategy == "per_sample" and _per_sample_fits(seq, cols, cols, x_dtype.itemsize, scale_dtype.itemsize):
-                specs.append(_per_sample_bwd_spec(x2[:seq], scale_dtype, device_index))
-            elif strategy != "torch":
-                specs.append(_dispatch.spec_for(_OP, "bwd", x2, scale_dtype, device_index, batch=batch))
-            continue
-        strategy = _forward_strategy(batch, seq, cols, x_dtype)
-        if strategy == "per_sample" and _per_sample_fits(seq, cols, cols, x_dtype.itemsize, fwd_dtype.itemsize) \
-                and not seq % 4:
-            specs.append(_dispatch.spec_for("layer_norm", phase, x2[:seq], fwd_dtype, device_index))
-        elif strategy != "torch":
-            specs.append(_dispatch.spec_for(_OP, phase, x2, fwd_dtype, device_index, batch=batch))
+            found = (_BACKWARDS[name].spec(x2, batch, scale_dtype, device_index)
+                     for name in _BACKWARD_ORDER[_backward_strategy(batch, seq, cols, x_dtype)])
+        else:
+            found = (_FORWARDS[name].spec(x2, batch, fwd_dtype, phase == "train", device_index)
+                     for name in _FORWARD_ORDER[_forward_strategy(batch, seq, cols, x_dtype)])
+        spec = next((spec for spec in found if spec is not None), None)
+        if spec is not None:
+            specs.append(spec)
     return specs
-
-
-def check_cases(device: str, dtypes):
-    """``cudnorm check`` cases (see ``cudnorm._self_check._cases`` for the tuple format):
-    both conventions, fp32 and activation-dtype scale/shift, DiT-like shape."""
-    b, s, d = 4, 250, 1152
-    for dtype in dtypes:
-        for wdtype in dict.fromkeys((_F32, dtype)):
-            for dit in (True, False):
-                g = torch.Generator(device="cpu").manual_seed(0)
-                x = torch.randn((b, s, d), generator=g).to(device, dtype)
-                scale = ((0.0 if dit else 1.0) + 0.1 * torch.randn((b, d), generator=g)).to(device, wdtype)
-                shift = (0.1 * torch.randn((b, d), generator=g)).to(device, wdtype)
-                tag = f"{str(dtype)[6:]} x, {str(wdtype)[6:]} scale, {'1+scale' if dit else 'scale'}"
-                yield (f"{_OP} ({tag})", dtype,
-                       lambda x, sc, sh, dit=dit: ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
-                       lambda x, sc, sh, dit=dit: _eager_formula(x, sc, sh, 1e-6, dit),
-                       lambda x, sc, sh, dit=dit: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
-                       (x, scale, shift), ("y", "dx", "dscale", "dshift"))
-
-
-def _eager_formula(x, scale, shift, eps, dit):
-    """PyTorch in ``x``'s dtype, as DiT code writes it (the baseline of the 2x error rule)."""
-    scale, shift = scale.to(x.dtype)[:, None], shift.to(x.dtype)[:, None]
-    return F.layer_norm(x, (x.shape[-1],), eps=eps) * ((1 + scale) if dit else scale) + shift

@@ -42,6 +42,14 @@ def ada_layer_norm(x, scale, shift, eps=1e-6, dit=True, dtype=torch.float64):
     return layer_norm(x, eps=eps, dtype=dtype) * gain + shift
 
 
+def ada_layer_norm_eager(x, scale, shift, eps=1e-6, dit=True):
+    """Not a reference: AdaLN in PyTorch's ops in ``x``'s dtype, as DiT code writes it
+    (``x: [B, S, D]``, scale/shift ``[B, D]``): the baseline whose error the 2x rule allows
+    twice of."""
+    scale, shift = scale.to(x.dtype)[:, None], shift.to(x.dtype)[:, None]
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps) * ((1 + scale) if dit else scale) + shift
+
+
 def grads(fn, inputs, grad_out, dtype=torch.float64):
     """Output and gradients of ``fn`` w.r.t. every non-None tensor of ``inputs``, in ``dtype``.
 

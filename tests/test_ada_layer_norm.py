@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _cache, _graphs
+from cudnorm import _cache, _graphs, _self_check
 from cudnorm import reference as ref
 
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
@@ -35,7 +35,7 @@ def _report(x, scale, shift, dit):
     b, d = x.shape[0], x.shape[-1]
     return ref.accuracy_report(
         lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
-        lambda x, sc, sh: ada._eager_formula(x.reshape(b, -1, d), sc.reshape(b, d), sh.reshape(b, d), 1e-6,
+        lambda x, sc, sh: ref.ada_layer_norm_eager(x.reshape(b, -1, d), sc.reshape(b, d), sh.reshape(b, d), 1e-6,
                                              dit).view(x.shape),
         lambda x, sc, sh: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
         (x, scale, shift), torch.randn_like(x), NAMES, x.dtype)
@@ -102,7 +102,7 @@ def test_strategy_rules_and_settings():
 
 
 def test_check_cases_pass_on_cpu():
-    cases = list(ada.check_cases("cpu", (torch.float32, torch.bfloat16)))
+    cases = list(_self_check._ada_cases("cpu", (torch.float32, torch.bfloat16)))
     assert {c[0].split(" ")[0] for c in cases} == {"ada_layer_norm"}
     for _, dtype, candidate, baseline, reference, inputs, names in cases[:4]:
         rows = ref.accuracy_report(candidate, baseline, reference, inputs, torch.randn_like(inputs[0]), names, dtype)
@@ -236,7 +236,7 @@ def test_repeated_forward_signature_reuses_the_plan(monkeypatch, fresh_cache, tm
         assert len(looked_up) == 1 and cudnorm.cache_info().hits == hits + 1
         torch.testing.assert_close(again, first, rtol=0, atol=0)
         other = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=False)  # same signature, other gain
-        torch.testing.assert_close(other, ada._eager_formula(x, scale, shift, 1e-6, False), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(other, ref.ada_layer_norm_eager(x, scale, shift, 1e-6, False), atol=3e-2, rtol=2e-2)
         assert len(looked_up) == 1
         cudnorm.ada_layer_norm(x[:, :4], scale, shift)  # another row count
         assert [spec.rows for spec in looked_up] == [16, 8]
@@ -253,7 +253,7 @@ def test_per_sample_declines_misaligned_samples():
     assert not ada._per_sample_fits(4, 30, 30, 2, 2)  # a [B, D] parameter row is 60 bytes
     assert ada._per_sample_fits(4, 30, 30, 2) and ada._per_sample_fits(4, 1000, 1000, 2, 2)
     x = torch.randn(2 * 3, 30, dtype=torch.bfloat16)
-    assert ada._per_sample_plan(x, 2, torch.bfloat16) is None  # so the per-sample strategies are never tried
+    assert ada.PerSampleBackward.spec(x, 2, torch.bfloat16, None) is None  # so the per-sample strategies are never tried
 
 
 def test_gain_is_summed_in_fp32_and_rounded_once():
@@ -395,7 +395,7 @@ def _inference_ok(x, scale, shift):
     with torch.no_grad():
         got = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
         want = ref.ada_layer_norm(x, scale, shift)
-        eager = ada._eager_formula(x, scale, shift, 1e-6, True)
+        eager = ref.ada_layer_norm_eager(x, scale, shift, 1e-6, True)
     return ref.rel_error(got, want) <= ref.error_bound(ref.rel_error(eager, want), x.dtype)
 
 
@@ -486,7 +486,7 @@ def test_gpu_fresh_tensors_keep_builds_and_captures_bounded(monkeypatch, fresh_c
     for x, emb, out, dy, _ in kept[-3:]:
         def model(x, emb, dtype_ref=False):
             shift, scale = emb.chunk(2, dim=1)
-            h = ref.ada_layer_norm(x, scale, shift) if dtype_ref else ada._eager_formula(x, scale, shift, 1e-6, True)
+            h = ref.ada_layer_norm(x, scale, shift) if dtype_ref else ref.ada_layer_norm_eager(x, scale, shift, 1e-6, True)
             if dtype_ref:
                 return ref.rms_norm(ref.layer_norm(h, ln_w, None, 1e-5), ln_w, 1e-6)
             return F.rms_norm(F.layer_norm(h, (d,), ln_w, None, 1e-5), (d,), ln_w, 1e-6)
@@ -555,7 +555,7 @@ def test_per_sample_backward_spec_matches_warmup(mode, s, tuned):
     cudnorm.config(autotune=mode, ada_backward="per_sample")
     b, d = 16, 3072
     x2 = torch.empty((b * s, d), dtype=torch.bfloat16, device="meta")
-    spec = ada._per_sample_bwd_spec(x2[:s], torch.float32, 0)
+    spec = ada.PerSampleBackward.spec(x2, b, torch.float32, 0)
     assert (spec.op, spec.phase, spec.rows, spec.autotune, spec.scale_dtype) == ("layer_norm", "bwd", s, tuned,
                                                                                 torch.float32)
     assert ada.specs_for(b, s, d, torch.bfloat16, torch.float32, 0, phases=("bwd",)) == [spec]

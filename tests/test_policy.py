@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import cudnorm
 from cudnorm import _policy
 from cudnorm import reference as ref
-from cudnorm.ada_layer_norm import _eager_formula
 
 gpu = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -76,7 +75,7 @@ def test_routed_ada_layer_norm_meets_the_error_rule(auto, dit):
     y = cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=dit)
     assert type(y.grad_fn).__name__ != "_AdaLayerNormFunctionBackward"
     rows = ref.accuracy_report(lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
-                               lambda x, sc, sh: _eager_formula(x, sc, sh, 1e-6, dit),
+                               lambda x, sc, sh: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, dit),
                                lambda x, sc, sh: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
                                (x, scale, shift), dy, ("y", "dx", "dscale", "dshift"), BF16)
     assert all(r["ok"] for r in rows), rows
@@ -157,7 +156,7 @@ def test_compiled_cuda_calls_trace_pytorchs_ops(auto, fresh_cache):
     assert "cudnorm" not in _graph_ops(fn, x, mod)
     with torch.no_grad():
         got = torch.compile(fn, fullgraph=True)(x, mod)
-        want = _eager_formula(x, *mod.chunk(2, dim=1), 1e-6, True)
+        want = ref.ada_layer_norm_eager(x, *mod.chunk(2, dim=1), 1e-6, True)
         exact = ref.ada_layer_norm(x, *mod.chunk(2, dim=1), 1e-6, dit=True)
     # Inductor's fused kernel rounds once where the eager formula rounds three times
     assert ref.rel_error(got, exact) <= ref.error_bound(ref.rel_error(want, exact), BF16)

@@ -1,0 +1,123 @@
+"""The cuDNN path's own code (specs, strategies, row chunks, per-sample address steps,
+statistics layouts) run on the CPU against emulated graphs (tests/emulated_cudnn.py), every
+result compared with PyTorch's fp32 formula. Runs in CI; cuDNN's kernels are tested on the GPU."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudnorm
+from cudnorm import _rows
+from cudnorm import reference as ref
+
+import emulated_cudnn as emu
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture
+def emulated(fresh_cache):
+    saved = emu.install()
+    cudnorm.clear_cache()
+    _rows.reset()
+    yield emu.launches
+    emu.uninstall(saved)
+    cudnorm.clear_cache()
+
+
+def _meets_the_rule(candidate, baseline, reference, inputs, dy, names):
+    """Output and gradients (training), and the output under no_grad (inference), within 2x
+    PyTorch's own error in the same dtype against the fp64 reference."""
+    dtype = inputs[0].dtype
+    rows = ref.accuracy_report(candidate, baseline, reference, inputs, dy, names, dtype)
+    assert all(row["ok"] for row in rows), rows
+    with torch.no_grad():
+        want = reference(*inputs)
+        bound = ref.error_bound(ref.rel_error(baseline(*inputs), want), dtype)
+        assert ref.rel_error(candidate(*inputs), want) <= bound
+
+
+def _norm_case(op, rows, dtype):
+    n = 256
+    x = torch.randn(rows, n).to(dtype)
+    w = (1 + 0.1 * torch.randn(n)).to(dtype)
+    dy = torch.randn(rows, n).to(dtype)
+    if op == "layer_norm":
+        b = (0.1 * torch.randn(n)).to(dtype)
+        _meets_the_rule(lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b), lambda x, w, b: F.layer_norm(x, (n,), w, b),
+                        lambda x, w, b: ref.layer_norm(x, w, b), (x, w, b), dy, ("y", "dx", "dweight", "dbias"))
+    else:
+        _meets_the_rule(lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-6), lambda x, w: F.rms_norm(x, (n,), w, 1e-6),
+                        lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), dy, ("y", "dx", "dweight"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_layer_and_rms_norm(op, dtype, emulated):
+    """The first row count of a family runs exact graphs (the address path); later ones run
+    PyTorch's kernels until seen again, then row chunks of shared graphs (an overlapping last
+    chunk where the count is not a sum of chunk sizes)."""
+    _norm_case(op, 256, dtype)
+    assert {phase for (o, phase) in emulated if o == op} == {"train", "bwd", "infer"}, emulated
+    before = sum(emulated.values())
+    for rows in (4100, 4100, 300, 300):
+        _norm_case(op, rows, dtype)
+    assert cudnorm.cache_info().chunked_calls > 0 and sum(emulated.values()) > before, emulated
+
+
+def test_strided_rows_gemma_offset_and_residual(emulated):
+    n = 128
+    base = torch.randn(64, 2 * n)
+    x = base[:, :n]  # rows 2n apart: the graph reads them with that stride
+    w = 0.1 * torch.randn(n)
+    got = cudnorm.rms_norm(x, (n,), w, 1e-6, weight_offset=1.0)
+    torch.testing.assert_close(got, F.rms_norm(x, (n,), w + 1.0, 1e-6), **TOL[torch.float32])
+    r = torch.randn(64, n)
+    y, h = cudnorm.layer_norm(x, (n,), 1 + w, w, residual=r)
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, F.layer_norm(x + r, (n,), 1 + w, w), **TOL[torch.float32])
+    assert emulated["rms_norm", "train"] + emulated["rms_norm", "infer"] >= 1
+    assert emulated["layer_norm", "infer"] + emulated["layer_norm", "train"] >= 1
+
+
+STRATEGIES = [(f, b) for f in ("cudnn", "per_sample") for b in ("cudnn", "per_sample")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 64, 96), (3, 30, 64), (1, 16, 128)])  # S % 4 != 0: padded statistics
+@pytest.mark.parametrize("dit", [True, False])
+@pytest.mark.parametrize("forward, backward", STRATEGIES)
+def test_ada_layer_norm_every_strategy(forward, backward, dit, shape, dtype, emulated):
+    b, s, d = shape
+    x = torch.randn(shape).to(dtype)
+    scale = ((0.0 if dit else 1.0) + 0.1 * torch.randn(b, d)).to(dtype)
+    shift = (0.1 * torch.randn(b, d)).to(dtype)
+    dy = torch.randn(shape).to(dtype)
+
+    with cudnorm.config(ada_forward=forward, ada_backward=backward):
+        _meets_the_rule(lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
+                        lambda x, sc, sh: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, dit),
+                        lambda x, sc, sh: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
+                        (x, scale, shift), dy, ("y", "dx", "dscale", "dshift"))
+    # the strategy ran where the layout lets it (a per-sample forward needs S % 4 == 0)
+    fwd_op = "layer_norm" if forward == "per_sample" and s % 4 == 0 else "ada_layer_norm"
+    bwd_op = "layer_norm" if backward == "per_sample" else "ada_layer_norm"
+    assert emulated[fwd_op, "train"] >= 1 and emulated[fwd_op, "infer"] >= 1, emulated
+    assert emulated[bwd_op, "bwd"] >= 1, emulated
+
+
+def test_warmup_specs_are_the_specs_the_strategies_build(emulated):
+    """``specs_for`` (warmup) asks for the specs the op's strategies request."""
+    ada = importlib.import_module("cudnorm.ada_layer_norm")  # the module: the package exports the function
+
+    for forward, backward in STRATEGIES:
+        with cudnorm.config(ada_forward=forward, ada_backward=backward), cudnorm.record_specs() as recorded:
+            x = torch.randn(2, 64, 96, requires_grad=True)
+            scale, shift = torch.randn(2, 96, requires_grad=True), torch.randn(2, 96)
+            cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True).sum().backward()
+            expected = ada.specs_for(2, 64, 96, torch.float32, torch.float32, None, phases=("train", "bwd"))
+        assert sorted(map(str, recorded.specs)) == sorted(map(str, expected)), (forward, backward)
