@@ -2,7 +2,10 @@
 # GPU verification in stages, each with its own time limit, logs written as it goes (so a stage
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
-# Stages: tests-core tests-ada tests-store tests-rows notebooks host api autotune bench-ln bench-rms ada rows
+# Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps notebooks host api autotune
+#         bench-ln bench-rms ada rows
+# tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
+# processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes).
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -15,6 +18,24 @@ pytest_gpu() {  # name, limit, files...: failures are reported inline (-rfE) and
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
+    tests-parallel)
+      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests 2>/dev/null | grep "::" \
+        | grep -v test_distributed > "$out/gpu_ids.txt"
+      n=${PARALLEL:-6}
+      for i in $(seq 0 $((n - 1))); do
+        awk -v n="$n" -v i="$i" 'NR % n == i' "$out/gpu_ids.txt" > "$out/ids_$i"
+        mapfile -t ids < "$out/ids_$i"
+        CUDNORM_PLAN_STORE_DIR="$out/plan-store-$i" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+          -rfE --tb=short "${ids[@]}" > "$out/part$i.log" 2>&1 &
+      done
+      wait
+      tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log ;;
+    tests-dist)  pytest_gpu tests-dist 300 tests/test_distributed.py ;;
+    dist-steps)
+      for setup in fsdp2 tp; do
+        timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_steps.py --setup "$setup" \
+          --out "$out/distributed_steps.csv" 2>&1 | grep -vE "nanobind|leaked|OMP_NUM_THREADS|^\*+$" | tail -6
+      done ;;
     tests-core)  pytest_gpu tests-core 200 tests/test_norms_gpu.py tests/test_bench.py ;;
     tests-ada)   pytest_gpu tests-ada 150 tests/test_ada_layer_norm.py ;;
     tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;

@@ -84,6 +84,42 @@ def test_strided_rows_gemma_offset_and_residual(emulated):
     assert emulated["layer_norm", "infer"] + emulated["layer_norm", "train"] >= 1
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])  # fp32 weights: rounded for the forward
+@pytest.mark.parametrize("variant", ["plain", "residual", "offset", "residual+offset"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_residual_offset_and_fp32_weights(op, variant, wdtype, emulated):
+    """bf16 input: the fused residual add (forward graph with the add, backward graph + dh)
+    and Gemma's weight offset (RMSNorm), forward and backward, within the 2x rule."""
+    if "offset" in variant and op == "layer_norm":
+        pytest.skip("LayerNorm takes no weight offset")
+    m, n = 512, 256
+    x, r, dy = (torch.randn(m, n).bfloat16() for _ in range(3))
+    w = (0.1 * torch.randn(n) + (0.0 if "offset" in variant else 1.0)).to(wdtype)
+    offset = {"weight_offset": 1.0} if "offset" in variant else {}
+    if op == "layer_norm":
+        params, names = (w, (0.1 * torch.randn(n)).to(wdtype)), ("dweight", "dbias")
+        ours = lambda x, *p, **k: cudnorm.layer_norm(x, (n,), *p, **k)  # noqa: E731
+        theirs = lambda x, w, b: F.layer_norm(x, (n,), w.to(x.dtype), b.to(x.dtype))  # noqa: E731
+        exact = lambda x, w, b: ref.layer_norm(x, w, b)  # noqa: E731
+    else:
+        params, names = (w,), ("dweight",)
+        ours = lambda x, w, **k: cudnorm.rms_norm(x, (n,), w, 1e-6, **offset, **k)  # noqa: E731
+        theirs = lambda x, w: F.rms_norm(x, (n,), (w.float() + (1.0 if offset else 0.0)).to(x.dtype), 1e-6)  # noqa: E731
+        exact = lambda x, w: ref.rms_norm(x, w.double() + (1.0 if offset else 0.0), 1e-6)  # noqa: E731
+    if "residual" in variant:  # (y, h) of h = x + r, both used: their gradients reach x and r alike
+        both = torch.randn(m, 2 * n).bfloat16()
+        _meets_the_rule(lambda x, r, *p: torch.cat(ours(x, *p, residual=r), -1),
+                        lambda x, r, *p: torch.cat((theirs(x + r, *p), x + r), -1),
+                        lambda x, r, *p: torch.cat((exact(x.double() + r.double(), *p), x.double() + r.double()), -1),
+                        (x, r, *params), both, ("y and h", "dx", "dresidual", *names))
+        y, h = ours(x, *params, residual=r)
+        torch.testing.assert_close(h, x + r)
+        assert emulated[op, "train"] + emulated[op, "infer"] >= 2 and emulated[op, "bwd"] >= 1, emulated
+    else:
+        _meets_the_rule(ours, theirs, exact, (x, *params), dy, ("y", "dx", *names))
+        assert emulated[op, "train"] >= 1 and emulated[op, "bwd"] >= 1, emulated
+
+
 STRATEGIES = [(f, b) for f in ("cudnn", "per_sample") for b in ("cudnn", "per_sample")]
 
 
