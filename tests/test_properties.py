@@ -73,3 +73,17 @@ def test_random_calls_meet_the_error_rule_gpu(op):
     # 30 draws: on the GPU every draw builds its own graphs (~0.4 s each), 100 took 80 s per op
     settings = hypothesis.settings(SETTINGS, max_examples=30)
     hypothesis.given(case=rows_case("cuda", MIN_N[op]))(settings(lambda case: _check(case, op)))()
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_random_calls_on_emulated_cudnn_meet_the_error_rule(op, fresh_cache):
+    """The same draws through the cuDNN path's own code (layouts, copies, row policy, launch
+    addresses) on the CPU, the graphs emulated (tests/emulated_cudnn.py)."""
+    import emulated_cudnn as emu  # noqa: PLC0415
+
+    saved = emu.install()
+    try:
+        hypothesis.given(case=rows_case("cpu", MIN_N[op]))(SETTINGS(lambda case: _check(case, op)))()
+        assert emu.launches[op, "train"] >= 20 and emu.launches[op, "bwd"] >= 20, emu.launches
+    finally:
+        emu.uninstall(saved)
