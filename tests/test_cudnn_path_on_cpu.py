@@ -157,3 +157,33 @@ def test_warmup_specs_are_the_specs_the_strategies_build(emulated):
             cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True).sum().backward()
             expected = ada.specs_for(2, 64, 96, torch.float32, torch.float32, None, phases=("train", "bwd"))
         assert sorted(map(str, recorded.specs)) == sorted(map(str, expected)), (forward, backward)
+
+
+def _op_cases():
+    x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
+    xa, sa = torch.randn(2, 8, 64), torch.randn(2, 64)
+    grad = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    ops = torch.ops.cudnorm
+    return {
+        "layer_norm_fwd train": (ops.layer_norm_fwd, (*grad(x, w, b), 1e-5, True)),
+        "layer_norm_fwd infer": (ops.layer_norm_fwd, (x, w, b, 1e-5, False)),
+        "rms_norm_fwd offset": (ops.rms_norm_fwd, (*grad(x, w), 1e-6, True, 1.0)),
+        "layer_norm_bwd": (ops.layer_norm_bwd, (torch.randn(8, 64), x, w, ops.layer_norm_fwd(x, w, b, 1e-5, True)[1])),
+        "rms_norm_bwd": (ops.rms_norm_bwd, (torch.randn(8, 64), x, w, ops.rms_norm_fwd(x, w, 1e-6, True)[1])),
+        "ada_layer_norm_fwd": (ops.ada_layer_norm_fwd, (*grad(xa, sa, sa), 1e-6, True, True)),
+        "ada_layer_norm_bwd": (ops.ada_layer_norm_bwd, (torch.randn(2, 8, 64), xa, sa,
+                                                        ops.ada_layer_norm_fwd(xa, sa, sa, 1e-6, True, True)[1],
+                                                        True, torch.float32)),
+        "add_norm_fwd": (ops.add_norm_fwd, (*grad(x, x, w), None, 1e-6, True, True, 0.0)),
+    }
+
+
+@pytest.mark.parametrize("case", ["layer_norm_fwd train", "layer_norm_fwd infer", "rms_norm_fwd offset", "layer_norm_bwd",
+                                  "rms_norm_bwd", "ada_layer_norm_fwd", "ada_layer_norm_bwd", "add_norm_fwd"])
+def test_opcheck_on_the_cudnn_path(case, emulated):
+    """``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch)
+    of each custom op where its implementation takes the cuDNN path."""
+    op, args = _op_cases()[case]
+    before = sum(emulated.values())
+    torch.library.opcheck(op.default, args)
+    assert sum(emulated.values()) > before, emulated
