@@ -19,7 +19,7 @@ import time
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs
+from cudnorm import _cache, _graphs, _runtime
 
 M, N = 64, 4096
 ADA_B, ADA_S, ADA_D = 4, 64, 768
@@ -36,7 +36,7 @@ def install_noop_plans():
     nothing. The plans are real :class:`~cudnorm._graphs.Plan` objects (the ops take their
     address path only for that exact type, so a subclass would time another branch); their
     ``run``/``launch`` are replaced for the process."""
-    _dispatch.route = lambda tensor: None
+    _runtime.route = lambda tensor: None
     _graphs.Plan.run = _noop_run
     _graphs.Plan.launch = lambda plan, pointers: None  # the ops' hot paths launch by address
     # a miss "builds" a no-op plan: the cache path stays the real one

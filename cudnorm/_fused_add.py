@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _call_plans, _dispatch, _norm, _policy
+from . import _call_plans, _dispatch, _norm, _ops, _policy, _runtime
 from ._graphs import eps_scalar, roles
 
 _F32 = torch.float32
@@ -39,7 +39,7 @@ def forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None
     ``[N]`` fp32 or x's dtype, or None (``bias`` ignored when ``rms``). ``stats`` is empty
     (``[k, 0]``) with ``training=False``."""
     op = _OPS[rms]
-    if _dispatch.route(x) is None and (not offset or offset in op.cudnn_offsets):
+    if _runtime.route(x) is None and (not offset or offset in op.cudnn_offsets):
         out = _cudnn_forward(x, residual, weight, bias, eps, training, op, offset)
         if out is not None:
             y, h, stats = out
@@ -95,7 +95,7 @@ def backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, 
         zeros = torch.zeros(n, dtype=wdtype, device=h.device)
         return dh.clone(), zeros, zeros.clone()
     dx = dw = db = None
-    if _dispatch.route(h) is None and (not offset or offset in _OPS[rms].cudnn_offsets):
+    if _runtime.route(h) is None and (not offset or offset in _OPS[rms].cudnn_offsets):
         h, plan = _call_plans.rows_plan(_OPS[rms].name, "bwd", h, wdtype, bool(offset))
         if plan is not None:
             m = h.shape[0]
@@ -149,10 +149,10 @@ def _fake_backward(dy, dh, h, weight, stats, rms, offset=0.0):
     return h.new_empty(h.shape), h.new_empty((n,), dtype=wdtype), h.new_empty((n,), dtype=wdtype)
 
 
-add_norm_fwd = _dispatch.define_op(
+add_norm_fwd = _ops.define_op(
     "add_norm_fwd", "(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, bool training, bool rms, "
     "float offset=0.) -> (Tensor, Tensor, Tensor)", forward, _fake_forward)
-add_norm_bwd = _dispatch.define_op(
+add_norm_bwd = _ops.define_op(
     "add_norm_bwd", "(Tensor? dy, Tensor? dh, Tensor h, Tensor? weight, Tensor stats, bool rms, float offset=0.) "
     "-> (Tensor, Tensor, Tensor)", backward, _fake_backward)
 
@@ -198,7 +198,7 @@ def _differentiable_backward(dy, dh, h, weight, ctx):
     def norm(h, weight):
         return _OPS[ctx.rms].functional(h, weight, ctx.eps, ctx.offset)
 
-    dx, dw = _dispatch.differentiable_grads(norm, (h, weight), dy.float())
+    dx, dw = _ops.differentiable_grads(norm, (h, weight), dy.float())
     if dh is not None:
         dx = dx + dh
     db = dy.float().sum(0).to(wdtype) if not ctx.rms else torch.zeros(n, dtype=wdtype, device=h.device)
@@ -211,7 +211,7 @@ def _setup_op_context(ctx, inputs, output):
 
 
 torch.library.register_autograd("cudnorm::add_norm_fwd", _make_backward(add_norm_bwd),
-                                setup_context=_setup_op_context, lib=_dispatch._LIBRARY)
+                                setup_context=_setup_op_context, lib=_ops.LIBRARY)
 
 
 class _FusedAddNorm(torch.autograd.Function):
@@ -248,7 +248,7 @@ def run(x, residual, weight, bias, eps, rms, offset=0.0) -> tuple[torch.Tensor, 
     inference graph otherwise, the custom op while tracing."""
     training = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or any(
         p is not None and p.requires_grad for p in (weight, bias)))
-    if not _dispatch.eager(x):
+    if not _ops.eager(x):
         y, h, _ = add_norm_fwd(x, residual, weight, bias, eps, training, rms, offset)
         return y, h
     if training:

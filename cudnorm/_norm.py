@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import _call_plans, _dispatch
+from . import _call_plans, _dispatch, _ops, _runtime
 from ._graphs import Plan, eps_scalar
 
 _F32 = torch.float32
@@ -204,14 +204,14 @@ def implement(op: NormOp) -> Implementation:
     def forward(x, weight, bias, eps, training, offset=0.0):
         """``(y [M, N] x.dtype, stats)`` of ``x: [M, N]``; ``stats`` in the op's layout (module
         docstring), empty with ``training=False`` (the inference graph writes none)."""
-        if _dispatch.route(x) is None:
+        if _runtime.route(x) is None:
             y, stats = gpu_forward(x, weight, bias, eps, training, offset)
             return y, stats if training else x.new_empty(no_stats, dtype=_F32)
         return torch_forward(x, weight, bias, eps, training, offset)
 
     def infer(x, weight, bias, eps, offset=0.0):
         """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
-        if _dispatch.route(x) is None:
+        if _runtime.route(x) is None:
             return gpu_forward(x, weight, bias, eps, False, offset)[0]
         return torch_forward(x, weight, bias, eps, False, offset)[0]
 
@@ -286,7 +286,7 @@ def implement(op: NormOp) -> Implementation:
         gradients, half-precision weights what PyTorch's own backward gives them. With an
         offset the graph reads ``weight + offset``; dW is unchanged by it."""
         wdtype = _dispatch.backward_scale_dtype(weight)
-        if _dispatch.route(x) is None and (not offset or offset in cudnn_offsets):
+        if _runtime.route(x) is None and (not offset or offset in cudnn_offsets):
             x, plan = _call_plans.rows_plan(name, "bwd", x, wdtype, offset != 0.0)
             if plan is not None:
                 n = x.shape[1]
@@ -363,8 +363,8 @@ def implement(op: NormOp) -> Implementation:
 
     def differentiable_backward(dy, x, weight, eps, offset):
         """``(dx, dweight, dbias or None)`` as graphs for double backward
-        (``_dispatch.differentiable_grads``), in the dtypes of the plain backward."""
-        dx, dw = _dispatch.differentiable_grads(lambda x, weight: functional(x, weight, eps, offset),
+        (``_ops.differentiable_grads``), in the dtypes of the plain backward."""
+        dx, dw = _ops.differentiable_grads(lambda x, weight: functional(x, weight, eps, offset),
                                                 (x, weight), dy.float())
         db = dy.float().sum(0).to(_dispatch.backward_scale_dtype(weight)) if centred else None
         return dx, dw, db
@@ -416,7 +416,7 @@ def define_ops(op: NormOp, impl: Implementation, forward_schema: str, backward_s
     def backward(ctx, dy):
         return implementation_backward(ctx, dy)[:5]  # the gradients of the op's five inputs
 
-    forward_op = _dispatch.define_op(f"{op.name}_fwd", forward_schema, op_forward, fake_forward)
-    backward_op = _dispatch.define_op(f"{op.name}_bwd", backward_schema, op_backward, fake_backward)
-    _dispatch.register_autograd(f"{op.name}_fwd", setup_context, backward)
+    forward_op = _ops.define_op(f"{op.name}_fwd", forward_schema, op_forward, fake_forward)
+    backward_op = _ops.define_op(f"{op.name}_bwd", backward_schema, op_backward, fake_backward)
+    _ops.register_autograd(f"{op.name}_fwd", setup_context, backward)
     return forward_op, backward_op

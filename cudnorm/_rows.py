@@ -38,7 +38,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _cache, _dispatch, _graphs, _lru, _recording, _settings
+from . import _cache, _graphs, _lru, _recording, _settings
 from ._spec import NormSpec
 
 # Chunk sizes per phase, largest first. Measured at N = 4096 bf16, 65536 rows (H200): 4096-row

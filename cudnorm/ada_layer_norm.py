@@ -47,7 +47,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from . import _cache, _call_plans, _checks, _dispatch, _policy, _runtime, _settings
+from . import _cache, _call_plans, _checks, _dispatch, _ops, _policy, _runtime, _settings
 from ._graphs import eps_scalar
 from ._spec import NormSpec
 
@@ -165,7 +165,7 @@ def _run_forward(x, scale, shift, eps, dit, training):
     training: eager inference allocates no empty statistics). A call repeating an earlier
     call's signature takes the strategy and plan it found from :data:`_forward_plans`."""
     dtype = _forward_dtype(x, scale, shift)
-    if _dispatch.route(x) is None:
+    if _runtime.route(x) is None:
         b, s, d = x.shape
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         signature = (x2.shape, x2.stride(0), x2.dtype, x2.get_device(), b, dtype, training)
@@ -307,7 +307,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, stats
     conventions (``d(1 + scale) / dscale = 1``).
     """
     b, s, d = x.shape
-    if _dispatch.route(x) is None:
+    if _runtime.route(x) is None:
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         dy2 = _dispatch.packed(dy.reshape(b * s, d))
         args = (dy2, x2, b, scale, stats, one_plus_scale, shift_dtype)
@@ -437,11 +437,11 @@ def _fake_backward(dy, x, scale, stats, one_plus_scale, shift_dtype):
     return x.new_empty(x.shape), x.new_empty((b, d), dtype=scale.dtype), x.new_empty((b, d), dtype=shift_dtype)
 
 
-ada_layer_norm_fwd = _dispatch.define_op(
+ada_layer_norm_fwd = _ops.define_op(
     "ada_layer_norm_fwd",
     "(Tensor x, Tensor scale, Tensor shift, float eps, bool one_plus_scale, bool training) -> (Tensor, Tensor)",
     _forward, _fake_forward)
-ada_layer_norm_bwd = _dispatch.define_op(
+ada_layer_norm_bwd = _ops.define_op(
     "ada_layer_norm_bwd",
     "(Tensor dy, Tensor x, Tensor scale, Tensor stats, bool one_plus_scale, ScalarType shift_dtype) "
     "-> (Tensor, Tensor, Tensor)",
@@ -475,19 +475,19 @@ def _make_backward(backward_fn):
 
 
 def _differentiable_backward(dy, x, scale, eps, one_plus_scale, shift_dtype):
-    """``(dx, dscale, dshift)`` as graphs for double backward (``_dispatch.differentiable_grads``):
+    """``(dx, dscale, dshift)`` as graphs for double backward (``_ops.differentiable_grads``):
     the fp32 formula without its shift, whose gradient is ``dy`` summed over the tokens."""
 
     def forward(x, scale):
         gain = scale.float() + 1 if one_plus_scale else scale.float()
         return F.layer_norm(x.float(), (x.shape[-1],), eps=eps) * gain.unsqueeze(1)
 
-    dx, dscale = _dispatch.differentiable_grads(forward, (x, scale), dy.float())
+    dx, dscale = _ops.differentiable_grads(forward, (x, scale), dy.float())
     return dx, dscale, dy.float().sum(1).to(shift_dtype)
 
 
-_dispatch.register_autograd("ada_layer_norm_fwd", _setup_context, _make_backward(ada_layer_norm_bwd))
-_AdaLayerNormFunction = _dispatch.eager_autograd("_AdaLayerNormFunction", _forward, _setup_context,
+_ops.register_autograd("ada_layer_norm_fwd", _setup_context, _make_backward(ada_layer_norm_bwd))
+_AdaLayerNormFunction = _ops.eager_autograd("_AdaLayerNormFunction", _forward, _setup_context,
                                                  _make_backward(_backward_impl))
 
 
@@ -567,7 +567,7 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
     sc = scale if scale.dim() == 2 else scale.reshape(b, d)
     sh = shift if shift.dim() == 2 else shift.reshape(b, d)
     training = torch.is_grad_enabled() and (input.requires_grad or scale.requires_grad or shift.requires_grad)
-    if not _dispatch.eager(input):
+    if not _ops.eager(input):
         y = ada_layer_norm_fwd(x, sc, sh, eps, one_plus_scale, training)[0]
     elif training:
         y = _AdaLayerNormFunction.apply(x, sc, sh, eps, one_plus_scale, training)

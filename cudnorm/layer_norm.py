@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch, _fused_add, _norm, _policy
+from . import _checks, _fused_add, _norm, _ops, _policy
 from ._graphs import eps_scalar  # noqa: F401 - cudnorm._bench.host_overhead launches a plan through it
 
 _OP = _norm.LAYER_NORM.name
@@ -29,7 +29,7 @@ _forward, _infer, _backward_impl = _IMPL.forward, _IMPL.infer, _IMPL.backward
 layer_norm_fwd, layer_norm_bwd = _norm.define_ops(
     _norm.LAYER_NORM, _IMPL, "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool training) -> (Tensor, Tensor)",
     "(Tensor dy, Tensor x, Tensor? weight, Tensor stats) -> (Tensor, Tensor, Tensor)")
-_LayerNormFunction = _dispatch.eager_autograd("_LayerNormFunction", _IMPL.forward, _IMPL.setup_context,
+_LayerNormFunction = _ops.eager_autograd("_LayerNormFunction", _IMPL.forward, _IMPL.setup_context,
                                               _IMPL.make_backward(_IMPL.backward))
 
 
@@ -71,7 +71,7 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     b = bias if bias is None or flat else bias.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
                                             or (bias is not None and bias.requires_grad))
-    if not _dispatch.eager(input):
+    if not _ops.eager(input):
         y = layer_norm_fwd(x, w, b, eps, training)[0]
     elif training:
         y = _LayerNormFunction.apply(x, w, b, eps, training, 0.0)

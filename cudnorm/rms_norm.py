@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _dispatch, _fused_add, _norm, _policy
+from . import _checks, _fused_add, _norm, _ops, _policy
 
 _OP = _norm.RMS_NORM.name
 _IMPL = _norm.implement(_norm.RMS_NORM)
@@ -29,7 +29,7 @@ _infer = _IMPL.infer  # a module global: the eager path's cheapest lookup
 rms_norm_fwd, rms_norm_bwd = _norm.define_ops(
     _norm.RMS_NORM, _IMPL, "(Tensor x, Tensor? weight, float eps, bool training, float offset=0.) -> (Tensor, Tensor)",
     "(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, float offset=0.) -> (Tensor, Tensor)")
-_RMSNormFunction = _dispatch.eager_autograd("_RMSNormFunction", _IMPL.forward, _IMPL.setup_context,
+_RMSNormFunction = _ops.eager_autograd("_RMSNormFunction", _IMPL.forward, _IMPL.setup_context,
                                             _IMPL.make_backward(_IMPL.backward))
 
 
@@ -76,7 +76,7 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
     x = input if flat else input.reshape(-1, n)
     w = weight if weight is None or flat else weight.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
-    if not _dispatch.eager(input):
+    if not _ops.eager(input):
         y = rms_norm_fwd(x, w, eps, training, weight_offset)[0]
     elif training:
         y = _RMSNormFunction.apply(x, w, None, eps, training, weight_offset)

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from cudnorm import _cache, _dispatch, _graphs
+from cudnorm import _cache, _graphs, _runtime
 
 launches: Counter = Counter()  # (op, phase) -> launches since install()
 
@@ -112,8 +112,8 @@ def _backward(spec, t) -> None:
 def install() -> tuple:
     """Route CPU tensors to the cuDNN path, build emulated plans and launch them here;
     returns what :func:`uninstall` restores."""
-    saved = (_dispatch.route, _cache._build, _graphs.Plan.run, _graphs.Plan.launch)
-    _dispatch.route = lambda tensor: None
+    saved = (_runtime.route, _cache._build, _graphs.Plan.run, _graphs.Plan.launch)
+    _runtime.route = lambda tensor: None
     _cache._build = _emulated_plan
     _graphs.Plan.run, _graphs.Plan.launch = _run, _launch
     launches.clear()
@@ -121,4 +121,4 @@ def install() -> tuple:
 
 
 def uninstall(saved: tuple) -> None:
-    _dispatch.route, _cache._build, _graphs.Plan.run, _graphs.Plan.launch = saved
+    _runtime.route, _cache._build, _graphs.Plan.run, _graphs.Plan.launch = saved

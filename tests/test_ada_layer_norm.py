@@ -184,7 +184,7 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
         plans.append(_FakePlan(spec))
         return plans[-1]
 
-    monkeypatch.setattr(ada._dispatch, "route", lambda x: None)
+    monkeypatch.setattr(ada._runtime, "route", lambda x: None)
     monkeypatch.setattr(ada._cache, "get_plan", fake_get_plan)
     cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     x, scale, shift = _inputs(shape, dtype, torch.float32, True, scale_shape=(b, 1, d))
@@ -208,7 +208,7 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
 def test_chunked_shift_is_read_at_its_own_rows(monkeypatch):
     """A DiT chunk of a Linear output (rows 6*D apart, not contiguous) as scale and shift:
     the graph is handed packed copies, and the result is the formula's."""
-    monkeypatch.setattr(ada._dispatch, "route", lambda x: None)
+    monkeypatch.setattr(ada._runtime, "route", lambda x: None)
     monkeypatch.setattr(ada._cache, "get_plan", _FakePlan)
     b, s, d = 3, 8, 32
     x = torch.randn(b, s, d)
@@ -226,7 +226,7 @@ def test_repeated_forward_signature_reuses_the_plan(monkeypatch, fresh_cache, tm
         looked_up.append(spec)
         return _FakePlan(spec)
 
-    monkeypatch.setattr(ada._dispatch, "route", lambda x: None)
+    monkeypatch.setattr(ada._runtime, "route", lambda x: None)
     monkeypatch.setattr(ada._cache, "get_plan", fake_get_plan)
     x, scale, shift = _inputs((2, 8, 32), torch.bfloat16, torch.float32, True)
     with torch.no_grad():

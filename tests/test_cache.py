@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch
+from cudnorm import _cache, _dispatch, _graphs
 from cudnorm._spec import NormSpec
 
 
@@ -95,7 +95,7 @@ def test_declined_spec_is_remembered_and_counted(monkeypatch, fresh_cache):
         attempts.append(spec)
         raise RuntimeError("no engine")
 
-    monkeypatch.setattr(_dispatch._graphs, "build_plan", refuse)
+    monkeypatch.setattr(_graphs, "build_plan", refuse)
     with pytest.warns(RuntimeWarning, match="cuDNN declined"):
         assert _cache.get_plan(_spec()) is None
     assert _cache.get_plan(_spec()) is None
@@ -108,7 +108,7 @@ def test_builds_and_build_seconds_are_counted(monkeypatch, fresh_cache):
     class FakePlan:
         build_seconds = 0.25
 
-    monkeypatch.setattr(_dispatch._graphs, "build_plan", lambda spec: FakePlan())
+    monkeypatch.setattr(_graphs, "build_plan", lambda spec: FakePlan())
     _cache.get_plan(_spec(1))
     _cache.get_plan(_spec(2))
     _cache.get_plan(_spec(1))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _cache, _call_plans, _dispatch, _graphs, _rows
+from cudnorm import _cache, _call_plans, _dispatch, _graphs, _rows, _runtime
 
 
 class RecordingPlan(_graphs.Plan):
@@ -28,7 +28,7 @@ class RecordingPlan(_graphs.Plan):
 
 @pytest.fixture
 def recording(monkeypatch, fresh_cache):
-    monkeypatch.setattr(_dispatch, "route", lambda x: None)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)
     monkeypatch.setattr(_cache, "_build", RecordingPlan)
     looked_up = []
     real = _rows.plan_or_chunks

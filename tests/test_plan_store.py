@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs, _plan_store, cli
+from cudnorm import _cache, _graphs, _plan_store, cli
 from cudnorm._plan_store import PlanStore
 from cudnorm._spec import NormSpec
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs, _rows
+from cudnorm import _cache, _graphs, _rows, _runtime
 from cudnorm import reference as ref
 from cudnorm._spec import NormSpec
 
@@ -295,7 +295,7 @@ def test_cached_exact_plan_is_returned_without_policy(fake_builds):
 @pytest.fixture
 def cpu_as_cudnn(monkeypatch, fake_builds):
     """Route CPU tensors to the cuDNN code path, every row count chunked."""
-    monkeypatch.setattr(_dispatch, "route", lambda x: None)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)
     cudnorm.config(exact_rows=0)
 
 

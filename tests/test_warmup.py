@@ -1,7 +1,7 @@
 """Recording specs, spec files, presets, ``cudnorm.warmup`` and ``cudnorm warmup`` on the CPU.
 
 On a CPU the ops never ask for a graph, so the recorder is exercised by letting CPU tensors
-through the routing check (``_dispatch.route``) and declining every build: the ops then
+through the routing check (``_runtime.route``) and declining every build: the ops then
 request exactly the specs they would on a GPU and fall back to PyTorch's kernels.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _cache, _dispatch, _graphs, _plan_store, _recording, _runtime
+from cudnorm import _cache, _graphs, _plan_store, _recording, _runtime
 from cudnorm._plan_store import PlanStore
 from cudnorm._spec import NormSpec
 from test_plan_store import cli_main, fake_deserialize, fake_fingerprint, fake_serialize, plan_  # noqa: F401 - shared fakes and fixture
@@ -25,7 +25,7 @@ ada = importlib.import_module("cudnorm.ada_layer_norm")
 @pytest.fixture
 def cpu_as_cudnn(monkeypatch, fresh_cache):
     """CPU tensors take the cuDNN branch of the ops; every build is declined."""
-    monkeypatch.setattr(_dispatch, "route", lambda x: None)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)
     monkeypatch.setattr(_cache, "_build", lambda spec: _cache.DECLINED)
 
 
@@ -61,7 +61,7 @@ def test_recorded_specs_equal_the_derived_ones(cpu_as_cudnn, tmp_path, policy, w
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, fresh_cache, fwd, bwd, scale_dtype):
     # plans that run nothing: each op takes its first strategy, as it would on a GPU
-    monkeypatch.setattr(_dispatch, "route", lambda x: None)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)
     monkeypatch.setattr(_cache, "_build", lambda spec: types.SimpleNamespace(
         spec=spec, run=lambda *a: None, launch=lambda pointers: None, raw=None, workspace_size=0))
     cudnorm.config(ada_forward=fwd, ada_backward=bwd)
