@@ -9,7 +9,8 @@ activations are split along the sequence, so each rank normalises only its own t
 (``SequenceParallel`` on every RMSNorm). The norms receive DTensors sharded on the sequence.
 Under the default ``policy="auto"`` cudnorm hands them to PyTorch's RMSNorm; under
 ``cudnorm.config(policy="cudnn")`` cudnorm's own op runs on each rank's shard, placed by its
-sharding rules (docs/distributed.md). Either way the output keeps the sequence sharding.
+sharding rules (docs/distributed.md; sequence shards need torch >= 2.13, whose DTensor keeps
+them through the op's reshape). Either way the output keeps the sequence sharding.
 """
 
 from __future__ import annotations
