@@ -1,6 +1,6 @@
 """``cudnorm.patch`` on real transformers and diffusers models built from tiny configs: Llama,
-Qwen2, Qwen3, Gemma, Gemma 2, GPT-2, T5, DiT, SD3, Flux and PixArt (CPU; the ``gpu`` variants
-run the same models on cudnorm's cuDNN path). For each model: what is swapped and what is
+Qwen2, Qwen3, Gemma, Gemma 2, GPT-2, T5, DiT, SD3, Flux and PixArt (CPU; the ``emulated``
+variants run the cuDNN path's code on emulated graphs, the ``gpu`` variants on cuDNN). For each model: what is swapped and what is
 left; parameters and state_dict keys untouched and a checkpoint of the original loading
 strictly into the patched model; outputs and gradients equal to the unpatched model's in fp32
 (1e-5 relative); bf16 outputs within the 2x-PyTorch-error rule; ``save_pretrained`` /
@@ -8,6 +8,7 @@ strictly into the patched model; outputs and gradients equal to the unpatched mo
 to eager. Then every norm class the patch tables name against its stand-in, in every pair of
 weight and input dtypes, and plain PyTorch models."""
 
+import contextlib
 import importlib
 from collections import Counter
 from collections.abc import Callable
@@ -20,8 +21,28 @@ import cudnorm
 from cudnorm import reference as ref
 from cudnorm.patching import GEMMA_STYLE_RMS_NORMS, LLAMA_STYLE_RMS_NORMS, T5_STYLE_RMS_NORMS
 
+import emulated_cudnn as emu
+
 F32_TOL = 1e-5
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU runs cudnorm's cuDNN path
+# "emulated": CPU tensors through the cuDNN path's own code, the graphs emulated
+# (tests/emulated_cudnn.py); the GPU runs cudnorm's cuDNN path itself
+DEVICES = ["cpu", "emulated", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@contextlib.contextmanager
+def _on(device: str):
+    """The torch device of a ``DEVICES`` entry, with the graph emulator installed for
+    ``"emulated"`` (and checked to have run)."""
+    if device != "emulated":
+        yield device
+        return
+    saved = emu.install()
+    try:
+        yield "cpu"
+        assert sum(emu.launches.values()) > 0, "no call reached the cuDNN path"
+    finally:
+        emu.uninstall(saved)
+        cudnorm.clear_cache()
 B, VOCAB = 2, 128
 LAYER_NORMS = ("torch.nn.LayerNorm", "cudnorm.LayerNorm")
 
@@ -243,7 +264,11 @@ def _assert_grads_close(got, want):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_models_load_strictly_and_match(family, device):
-    tiny = FAMILIES[family]()
+    with _on(device) as device:
+        _load_strictly_and_match(FAMILIES[family](), device)
+
+
+def _load_strictly_and_match(tiny, device):
     inputs = {k: v.to(device) for k, v in tiny.inputs.items()}
     base = _build(tiny).to(device)
     want, want_grads = _output_and_grads(base, inputs)
@@ -266,7 +291,11 @@ def test_patched_models_load_strictly_and_match(family, device):
 def test_patched_models_bf16_meet_the_error_rule(family, device):
     """bf16 outputs within twice the unpatched bf16 model's error, both against the same
     weights in fp64."""
-    tiny = FAMILIES[family]()
+    with _on(device) as device:
+        _bf16_meets_the_rule(FAMILIES[family](), device)
+
+
+def _bf16_meets_the_rule(tiny, device):
     base = _bf16(_build(tiny)).to(device)
     exact = tiny.make().eval()
     exact.load_state_dict({k: v.double() for k, v in base.state_dict().items()})
@@ -309,7 +338,11 @@ COMPILE_BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_patched_block_matches_eager(family, device):
-    tiny = FAMILIES[family]()
+    with _on(device) as device:
+        _compiled_matches_eager(FAMILIES[family](), device)
+
+
+def _compiled_matches_eager(tiny, device):
     model = _build(tiny).to(device)
     cudnorm.patch(model)
     layer, call, width = tiny.block(model)
