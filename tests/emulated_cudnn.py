@@ -12,11 +12,13 @@ on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections import Counter
 
 import torch
 
+import cudnorm
 from cudnorm import _cache, _graphs, _runtime
 
 launches: Counter = Counter()  # (op, phase) -> launches since install()
@@ -122,3 +124,16 @@ def install() -> tuple:
 
 def uninstall(saved: tuple) -> None:
     _runtime.route, _cache._build, _graphs.Plan.run, _graphs.Plan.launch = saved
+
+
+@contextlib.contextmanager
+def installed():
+    """:func:`install` for a block, which must reach the cuDNN path at least once; the plans
+    it built are dropped afterwards."""
+    saved = install()
+    try:
+        yield launches
+        assert sum(launches.values()) > 0, "no call reached the cuDNN path"
+    finally:
+        uninstall(saved)
+        cudnorm.clear_cache()

@@ -17,6 +17,8 @@ from cudnorm import reference as ref
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models import normalization as dn  # noqa: E402
 
+import emulated_cudnn as emu  # noqa: E402
+
 B, S, D, C = 2, 5, 32, 24
 F32_TOL = 1e-5
 CLASSES = ("AdaLayerNorm", "AdaLayerNormContinuous", "AdaLayerNormZero", "AdaLayerNormZeroSingle",
@@ -131,13 +133,22 @@ def test_state_dicts_load_both_ways_strictly(case):
         assert torch.equal(fresh.state_dict()[key], value), key
 
 
-@pytest.mark.parametrize("policy", ["cudnn", "auto"])  # cudnorm's own path; PyTorch's ops (small calls)
+def _policy(policy: str):
+    """``cudnorm.config(policy=...)``; ``"emulated"``: cudnorm's cuDNN path with the graphs
+    emulated on the CPU (tests/emulated_cudnn.py)."""
+    if policy == "emulated":
+        return emu.installed()
+    return cudnorm.config(policy=policy)
+
+
+# cudnorm's own path (PyTorch's kernels on the CPU), the cuDNN path's code, PyTorch's ops (small calls)
+@pytest.mark.parametrize("policy", ["cudnn", "emulated", "auto"])
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_outputs_and_gradients_match(case, policy):
     theirs, mine, make = _pair(case)
     args, kwargs = make(torch.float32)
     want, want_grads = _run(theirs, args, kwargs, _grad_outs(_run(theirs, args, kwargs)[0]))
-    with cudnorm.config(policy=policy):
+    with _policy(policy):
         got, got_grads = _run(mine, args, kwargs, _grad_outs(want))
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -150,8 +161,9 @@ def test_fp32_outputs_and_gradients_match(case, policy):
             assert ref.rel_error(g, w) <= F32_TOL, (name, ref.rel_error(g, w))
 
 
+@pytest.mark.parametrize("policy", ["cudnn", "emulated"])
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_meets_the_error_rule(case):
+def test_bf16_meets_the_error_rule(case, policy):
     """bf16 modules on bf16 inputs: every output and gradient within twice the error of
     diffusers' own bf16 run, both measured against diffusers in fp64."""
     theirs, mine, make = _pair(case)
@@ -166,7 +178,8 @@ def test_bf16_meets_the_error_rule(case):
                                  v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() else v)
                              for k, v in kwargs.items()}, grad_outs)
     base, base_grads = _run(theirs, args, kwargs, grad_outs)
-    got, got_grads = _run(mine, args, kwargs, grad_outs)
+    with _policy(policy):
+        got, got_grads = _run(mine, args, kwargs, grad_outs)
     for i, (g, b, w) in enumerate(zip(got + got_grads, base + base_grads, want + want_grads)):
         if w is None:
             continue
