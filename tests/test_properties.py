@@ -81,9 +81,6 @@ def test_random_calls_on_emulated_cudnn_meet_the_error_rule(op, fresh_cache):
     addresses) on the CPU, the graphs emulated (tests/emulated_cudnn.py)."""
     import emulated_cudnn as emu  # noqa: PLC0415
 
-    saved = emu.install()
-    try:
+    with emu.installed() as launches:
         hypothesis.given(case=rows_case("cpu", MIN_N[op]))(SETTINGS(lambda case: _check(case, op)))()
-        assert emu.launches[op, "train"] >= 20 and emu.launches[op, "bwd"] >= 20, emu.launches
-    finally:
-        emu.uninstall(saved)
+        assert launches[op, "train"] >= 20 and launches[op, "bwd"] >= 20, launches
