@@ -47,15 +47,19 @@ SPAWN_TIMEOUT_S = 240
 # run the same kernels; with policy="cudnn" cudnorm's fallback recomputes in another order
 # (cuDNN on a GPU), so they may differ by rounding, compounded over the steps
 FP32_TOL = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
+FP32_TOL["emulated"] = FP32_TOL["cpu"]
 # TP against one process: sharded matmuls sum their partial products in another order (and a
 # norm's weight gradient, summed per rank and then across the ranks)
 TP_TOL = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
+TP_TOL["emulated"] = TP_TOL["cpu"]
 # bf16 parameters (FSDP2 mixed precision): cudnorm computes in fp32 and rounds once, PyTorch's
 # bf16 RMSNorm may round elsewhere; a few bf16 ulps per step
 BF16_TOL = dict(rtol=1e-2, atol=1e-2)
 
 BACKENDS = [
     pytest.param("cpu", id="gloo-cpu"),
+    # CPU tensors through the cuDNN path's own code, the graphs emulated (tests/emulated_cudnn.py)
+    pytest.param("emulated", id="gloo-emulated-cudnn"),
     pytest.param("cuda", id="nccl-2gpu", marks=[
         pytest.mark.gpu,
         pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")]),
@@ -488,10 +492,16 @@ def _worker(rank, scenario, device_type, init_file, out_dir):
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if device_type == "emulated":
+        import emulated_cudnn
+
+        emulated_cudnn.install()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=90))
     try:
         result = {"ok": SCENARIOS[scenario](rank, device)}
+        if device_type == "emulated":
+            result["emulated_launches"] = sum(emulated_cudnn.launches.values())
     except Exception:  # noqa: BLE001 - reported by the test with the worker's traceback
         result = {"error": traceback.format_exc()}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -525,6 +535,8 @@ def run_workers(scenario, device_type, tmp_path) -> list[dict]:
     records = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     errors = [f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records) if "error" in rec]
     assert not errors, "\n".join(errors)
+    if device_type == "emulated":  # the policy="cudnn" runs reached the (emulated) cuDNN path
+        assert all(rec["emulated_launches"] > 0 for rec in records), [rec["emulated_launches"] for rec in records]
     return [rec["ok"] for rec in records]
 
 
