@@ -14,7 +14,7 @@ checked against the fp32 formula, so a broken strategy shows up as a large error
 The summary table gives, per shape, the fastest strategy of each direction, its time against
 torch.compile and the issue's targets: forward >= 2x compile (both phases) and >= 80% of copy
 bandwidth on the three largest shapes; backward >= 1.3x compile. The rule tables in
-cudnorm/ada_layer_norm.py (FORWARD_RULES, BACKWARD_RULES) should pick the fastest strategy;
+cudnorm/_ada_strategies.py (FORWARD_RULES, BACKWARD_RULES) should pick the fastest strategy;
 the "auto" column shows what they pick now.
 
 Run: PYTHONPATH=. python benchmarks/ada_backward_strategies.py [--out DIR] [--shapes 4x1024x768,...]
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import cudnorm
 
+from cudnorm import _ada_strategies as strategies  # noqa: E402
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
 
 SHAPES = ((4, 1024, 768), (32, 256, 1152), (8, 4096, 1152), (16, 4096, 3072), (2, 4096, 1536))
@@ -158,7 +159,7 @@ def summary(rows) -> list[dict]:
                for n in FWD_STRATEGIES}
         bwd = {n: ms[(shape, "bwd", "train", f"cudnorm:{n}")] for n in BWD_STRATEGIES}
         fwd_x = {n: min(c_infer / t[0], c_train / t[1]) for n, t in fwd.items()}
-        auto_fwd, auto_bwd = ada.choose_forward(b, s, d, DTYPE), ada.choose_backward(b, s, d, DTYPE)
+        auto_fwd, auto_bwd = strategies.choose_forward(b, s, d, DTYPE), strategies.choose_backward(b, s, d, DTYPE)
         best_fwd, best_bwd = max(fwd_x, key=fwd_x.get), min(bwd, key=bwd.get)
         copy = pct[(shape, "infer", f"cudnorm:{auto_fwd}")]
         out.append({

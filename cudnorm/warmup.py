@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import _cache, _dispatch, _recording, _runtime
+from . import _ada_strategies, _cache, _dispatch, _recording, _runtime
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -124,10 +124,8 @@ def ada_norm_specs(batch: int, seq: int, cols: int, *, x_dtype: torch.dtype, dev
     """The specs :func:`cudnorm.ada_layer_norm` requests for ``x: [batch, seq, cols]`` with
     per-sample scale/shift ``[batch, cols]`` of ``scale_dtype`` (default ``x_dtype``, what a
     modulation Linear returns), under the current forward/backward strategy settings: the
-    op's own ``ada_layer_norm.specs_for``."""
-    from .ada_layer_norm import specs_for  # noqa: PLC0415 - optional op family
-
-    return specs_for(batch, seq, cols, x_dtype, scale_dtype or x_dtype, device_index, phases)
+    strategies' own ``specs_for`` (:mod:`cudnorm._ada_strategies`)."""
+    return _ada_strategies.specs_for(batch, seq, cols, x_dtype, scale_dtype or x_dtype, device_index, phases)
 
 
 # -- presets ------------------------------------------------------------------------------

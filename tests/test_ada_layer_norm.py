@@ -15,6 +15,8 @@ import cudnorm
 from cudnorm import _cache, _graphs, _self_check
 from cudnorm import reference as ref
 
+from cudnorm import _ada_strategies as strategies  # noqa: E402
+
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -90,11 +92,11 @@ def test_strategy_rules_and_settings():
     for shape, backward in [((4, 1024, 768), "cudnn"), ((8, 256, 1152), "cudnn"), ((2, 1024, 1152), "cudnn"),
                             ((32, 256, 1152), "per_sample"), ((8, 1024, 1152), "per_sample"),
                             ((16, 4096, 3072), "per_sample"), ((1, 1, 1000), "per_sample")]:
-        assert ada.choose_forward(*shape, torch.bfloat16) == "cudnn"
-        assert ada.choose_backward(*shape, torch.bfloat16) == backward, shape
+        assert strategies.choose_forward(*shape, torch.bfloat16) == "cudnn"
+        assert strategies.choose_backward(*shape, torch.bfloat16) == backward, shape
     cudnorm.config(ada_backward="cudnn", ada_forward="torch")
-    assert ada._backward_strategy(1, 1, 8, torch.float32) == "cudnn"
-    assert ada._forward_strategy(16, 4096, 3072, torch.bfloat16) == "torch"
+    assert strategies.backward_strategy(1, 1, 8, torch.float32) == "cudnn"
+    assert strategies.forward_strategy(16, 4096, 3072, torch.bfloat16) == "torch"
     for name in ("ada_backward", "ada_forward"):
         for removed in ("fastest", "per_sample_graph", "cudnn_graph"):  # the captured strategies are gone
             with pytest.raises(ValueError, match=f"option '{name}' must be 'auto', 'cudnn', 'per_sample' or 'torch'"):
@@ -171,8 +173,8 @@ def test_cuda_path_plumbing_with_fake_plans(shape, dtype, fwd, bwd, decline_firs
     choice must fall through to the other strategy with the same result."""
     b, s, d = shape
     # fp32 scale/shift: the forward reads them rounded to x's dtype, the backward in fp32
-    fits = {"train": ada._per_sample_fits(s, d, d, dtype.itemsize, dtype.itemsize) and s % 4 == 0,
-            "bwd": ada._per_sample_fits(s, d, d, dtype.itemsize, 4)}
+    fits = {"train": strategies.per_sample_fits(s, d, d, dtype.itemsize, dtype.itemsize) and s % 4 == 0,
+            "bwd": strategies.per_sample_fits(s, d, d, dtype.itemsize, 4)}
     order = {"cudnn": ["ada_layer_norm", "layer_norm"], "per_sample": ["layer_norm", "ada_layer_norm"]}
     candidates = {phase: [op for op in order[strategy] if op != "layer_norm" or fits[phase]]
                   for phase, strategy in (("train", fwd), ("bwd", bwd))}
@@ -248,21 +250,21 @@ def test_repeated_forward_signature_reuses_the_plan(monkeypatch, fresh_cache, tm
 
 
 def test_per_sample_declines_misaligned_samples():
-    assert not ada._per_sample_fits(3, 30, 30, 2)  # a sample is 3 * 30 * 2 = 180 bytes
-    assert not ada._per_sample_fits(4, 16, 11, 2)  # padded rows: x's sample block is 128 bytes, y's 88
-    assert not ada._per_sample_fits(4, 30, 30, 2, 2)  # a [B, D] parameter row is 60 bytes
-    assert ada._per_sample_fits(4, 30, 30, 2) and ada._per_sample_fits(4, 1000, 1000, 2, 2)
+    assert not strategies.per_sample_fits(3, 30, 30, 2)  # a sample is 3 * 30 * 2 = 180 bytes
+    assert not strategies.per_sample_fits(4, 16, 11, 2)  # padded rows: x's sample block is 128 bytes, y's 88
+    assert not strategies.per_sample_fits(4, 30, 30, 2, 2)  # a [B, D] parameter row is 60 bytes
+    assert strategies.per_sample_fits(4, 30, 30, 2) and strategies.per_sample_fits(4, 1000, 1000, 2, 2)
     x = torch.randn(2 * 3, 30, dtype=torch.bfloat16)
-    assert ada.PerSampleBackward.spec(x, 2, torch.bfloat16, None) is None  # so the per-sample strategies are never tried
+    assert strategies.PerSampleBackward.spec(x, 2, torch.bfloat16, None) is None  # so the per-sample strategies are never tried
 
 
 def test_gain_is_summed_in_fp32_and_rounded_once():
     scale = torch.tensor([[2.0 ** -9, -0.3]], dtype=torch.float32)
-    gain = ada._gain(scale, True, torch.bfloat16)
+    gain = strategies.make_gain(scale, True, torch.bfloat16)
     assert gain.dtype == torch.bfloat16 and torch.equal(gain, (1 + scale.double()).to(torch.bfloat16))
-    assert torch.equal(ada._gain(scale.bfloat16(), True, torch.float32), 1 + scale.bfloat16().float())
+    assert torch.equal(strategies.make_gain(scale.bfloat16(), True, torch.float32), 1 + scale.bfloat16().float())
     chunk = torch.randn(2, 12)[:, 4:8]  # a Linear chunk: not contiguous
-    assert ada._gain(chunk, False, torch.float32).is_contiguous()
+    assert strategies.make_gain(chunk, False, torch.float32).is_contiguous()
 
 
 # ---------------------------------------------------------------- CPU: errors
@@ -388,7 +390,7 @@ def test_compile_fullgraph_cpu():
 # fp16/fp32 only on the smallest shapes (the dtype plumbing); bf16 on the DiT-like ones too
 GPU_CASES = ([((4, 1024, 768), torch.bfloat16), ((32, 256, 1152), torch.bfloat16)]
              + [(shape, dtype) for shape in ((1, 1, 1000), (3, 77, 1000)) for dtype in DTYPES])
-GPU_STRATEGIES = [("ada_forward", s) for s in ada.FORWARD_STRATEGIES] + [("ada_backward", s) for s in ada.STRATEGIES]
+GPU_STRATEGIES = [("ada_forward", s) for s in strategies.FORWARD_STRATEGIES] + [("ada_backward", s) for s in strategies.STRATEGIES]
 
 
 def _inference_ok(x, scale, shift):
@@ -412,7 +414,7 @@ def test_gpu_accuracy_every_strategy(shape, dtype, setting, strategy):
         rows = _report(x, scale, shift, True)
     assert all(r["ok"] for r in rows), rows
     assert _inference_ok(x, scale, shift)
-    expected = ada.specs_for(b, s, d, dtype, torch.float32, x.device.index, phases=("train", "bwd"))
+    expected = strategies.specs_for(b, s, d, dtype, torch.float32, x.device.index, phases=("train", "bwd"))
     assert set(rec.specs) == set(expected), (rec.specs, expected)
     assert all(_cache.plans.lookup(spec) is not _cache.DECLINED for spec in rec.specs)
 
@@ -555,7 +557,7 @@ def test_per_sample_backward_spec_matches_warmup(mode, s, tuned):
     cudnorm.config(autotune=mode, ada_backward="per_sample")
     b, d = 16, 3072
     x2 = torch.empty((b * s, d), dtype=torch.bfloat16, device="meta")
-    spec = ada.PerSampleBackward.spec(x2, b, torch.float32, 0)
+    spec = strategies.PerSampleBackward.spec(x2, b, torch.float32, 0)
     assert (spec.op, spec.phase, spec.rows, spec.autotune, spec.scale_dtype) == ("layer_norm", "bwd", s, tuned,
                                                                                 torch.float32)
-    assert ada.specs_for(b, s, d, torch.bfloat16, torch.float32, 0, phases=("bwd",)) == [spec]
+    assert strategies.specs_for(b, s, d, torch.bfloat16, torch.float32, 0, phases=("bwd",)) == [spec]

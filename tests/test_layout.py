@@ -20,7 +20,7 @@ LAYERS = [
     ("_cache",),  # the plan of a spec: memory LRU -> plan store -> build
     ("_rows",),  # row counts: exact plans or chunks
     ("_call_plans",),  # a call's plan, memoised by its signature
-    ("_norm",),  # LayerNorm/RMSNorm implementation
+    ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add
     ("ada_layer_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
     ("_info", "_sharding", "modules", "warmup"),

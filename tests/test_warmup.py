@@ -19,6 +19,8 @@ from cudnorm._spec import NormSpec
 from test_plan_store import cli_main, fake_deserialize, fake_fingerprint, fake_serialize, plan_  # noqa: F401 - shared fakes and fixture
 
 warmup_mod = importlib.import_module("cudnorm.warmup")  # the package attribute is the function
+from cudnorm import _ada_strategies as strategies  # noqa: E402
+
 ada = importlib.import_module("cudnorm.ada_layer_norm")
 
 
@@ -75,7 +77,7 @@ def test_recorded_ada_specs_equal_the_derived_ones(monkeypatch, fresh_cache, fwd
     derived = warmup_mod.ada_norm_specs(b, s, d, x_dtype=torch.bfloat16, scale_dtype=scale_dtype, device_index=None)
     assert rec.specs == warmup_mod._sorted(derived)
     ops = {(spec.op, spec.phase == "bwd") for spec in rec.specs}
-    fwd, bwd = ada._forward_strategy(b, s, d, x.dtype), ada._backward_strategy(b, s, d, x.dtype)  # resolve "auto"
+    fwd, bwd = strategies.forward_strategy(b, s, d, x.dtype), strategies.backward_strategy(b, s, d, x.dtype)  # resolve "auto"
     assert (("layer_norm", False) in ops) == fwd.startswith("per_sample")
     assert (("layer_norm", True) in ops) == bwd.startswith("per_sample")
     assert len(rec.specs) == (fwd != "torch") * 2 + (bwd != "torch")
@@ -143,7 +145,7 @@ def test_dit_preset():
     assert sorted(s.phase for s in specs) == ["bwd", "infer", "train"]
     assert all(s.x_dtype == torch.float16 and s.cols == 1152 for s in specs)
     assert all(s.op == "ada_layer_norm" and s.rows == 4 * 256 and s.batch == 4 and s.scale_dtype == torch.float16
-               for s in specs if s.phase != "bwd" or ada.choose_backward(4, 256, 1152, torch.float16) == "cudnn")
+               for s in specs if s.phase != "bwd" or strategies.choose_backward(4, 256, 1152, torch.float16) == "cudnn")
     # MMDiT: 4096 image tokens and 333 text tokens per sample, each stream its own graphs
     cudnorm.config(ada_forward="cudnn", ada_backward="per_sample")
     sd3 = warmup_mod.preset_specs("sd3-medium", batch=2)
