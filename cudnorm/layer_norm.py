@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 from . import _checks, _fused_add, _norm, _ops, _policy
-from ._graphs import eps_scalar  # noqa: F401 - cudnorm._bench.host_overhead launches a plan through it
 
 _OP = _norm.LAYER_NORM.name
 _IMPL = _norm.implement(_norm.LAYER_NORM)

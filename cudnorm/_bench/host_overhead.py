@@ -185,7 +185,7 @@ def _breakdown(rows, cols, ada_shape):
     import importlib  # noqa: PLC0415
 
     import cudnorm  # noqa: PLC0415
-    from .. import _call_plans, _checks, _dispatch, _runtime  # noqa: PLC0415
+    from .. import _call_plans, _checks, _dispatch, _graphs, _runtime  # noqa: PLC0415
 
     # the modules, not the package's functions of the same names
     ada = importlib.import_module("cudnorm.ada_layer_norm")
@@ -202,7 +202,7 @@ def _breakdown(rows, cols, ada_shape):
     _, plan = _call_plans.rows_plan("layer_norm", "train", xd, bf16)
     stats = _dispatch.stats_buffer(rows, 2, xd.device)
     out = torch.empty_like(xd)
-    pointers = [xd.data_ptr(), w.data_ptr(), b.data_ptr(), ln.eps_scalar(1e-5)[1], out.data_ptr(), stats.data_ptr(),
+    pointers = [xd.data_ptr(), w.data_ptr(), b.data_ptr(), _graphs.eps_scalar(1e-5)[1], out.data_ptr(), stats.data_ptr(),
                 stats.data_ptr() + 4 * stats.shape[1]]
     state, workspace = _runtime.launch_context(0, plan.workspace_size)
     saved = y.grad_fn.saved_tensors
