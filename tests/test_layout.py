@@ -115,3 +115,50 @@ def test_no_import_cycles():
     # only cycles through the package roots' __init__ re-exports are tolerated there
     real = [c for c in cycles if not all(_front_end(p) for p in c.split(" -> "))]
     assert not real, "import cycles:\n" + "\n".join(real)
+
+
+def _module_aliases(tree: ast.AST, package: str) -> dict[str, str]:
+    """name -> dotted cudnorm module it is bound to in one file (``from . import x``,
+    ``import cudnorm.x as y``, ``y = importlib.import_module("cudnorm.x")``)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full.startswith("cudnorm.") and ROOT.parent.joinpath(*full.split(".")).with_suffix(".py").exists():
+                    aliases[alias.asname or alias.name] = full
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("cudnorm.")})
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+              and getattr(node.value.func, "attr", "") == "import_module"
+              and isinstance(node.value.args[0], ast.Constant) and isinstance(node.targets[0], ast.Name)
+              and str(node.value.args[0].value).startswith("cudnorm.")):
+            aliases[node.targets[0].id] = node.value.args[0].value
+    return aliases
+
+
+def test_attributes_read_from_package_modules_exist():
+    """``module.name`` reads of cudnorm modules in the package, tests, benchmarks and examples
+    resolve: a function moved to another module breaks its old callers here, on the CPU, not
+    in a GPU-only benchmark (``_bench.host_overhead`` read ``ada_layer_norm._gain`` after it
+    had moved to ``_ada_strategies``)."""
+    import importlib  # noqa: PLC0415
+
+    repo = ROOT.parent
+    missing = []
+    for folder in ("cudnorm", "tests", "benchmarks", "examples"):
+        for path in sorted(repo.joinpath(folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            package = ".".join(path.relative_to(repo).with_suffix("").parts[:-1])
+            aliases = _module_aliases(tree, package)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                        and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                    module = importlib.import_module(aliases[node.value.id])
+                    if not hasattr(module, node.attr):
+                        missing.append(f"{path.relative_to(repo)}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+    assert not missing, "attributes that do not exist:\n" + "\n".join(missing)

@@ -185,6 +185,7 @@ def _breakdown(rows, cols, ada_shape):
     import importlib  # noqa: PLC0415
 
     import cudnorm  # noqa: PLC0415
+    from .. import _ada_strategies as strategies  # noqa: PLC0415
     from .. import _call_plans, _checks, _dispatch, _graphs, _runtime  # noqa: PLC0415
 
     # the modules, not the package's functions of the same names
@@ -233,8 +234,8 @@ def _breakdown(rows, cols, ada_shape):
     xs, ss, hs = xa.detach(), scale.detach(), shift.detach()
     asaved = ya.grad_fn.saved_tensors
     stages += [
-        ("ada_layer_norm fwd-train", "gain kernel 1 + scale", lambda: ada._gain(ss, True, bf16)),
-        ("ada_layer_norm fwd-train", "pack the shift chunk", lambda: ada._shift(hs, bf16)),
+        ("ada_layer_norm fwd-train", "1 + scale and packed shift (one foreach kernel)",
+         lambda: strategies.modulation(ss, hs, True, bf16)),
         ("ada_layer_norm fwd-train", "implementation (_forward)", lambda: ada._forward(xs, ss, hs, 1e-6, True, True)),
         ("ada_layer_norm fwd-train", "whole call", lambda: cudnorm.ada_layer_norm(xa, scale, shift, 1e-6,
                                                                                    one_plus_scale=True)),
