@@ -6,7 +6,9 @@ Forward: cuDNN's graph adds, writes ``h`` and normalises the unrounded sum in on
 (per op); wider rows run PyTorch's add and then the plain norm graph, which was faster there.
 Backward: the norm's backward graph on the saved ``h``, then ``dh`` (the gradient reaching
 ``h`` from the residual stream) is added in place: cuDNN declines a pointwise add after its
-norm backward (no engine, cuDNN 9.19 on an H100), so that add is one PyTorch kernel.
+norm backward (cuDNN 9.19 and 9.28.1 on an H100; 9.19 even builds such a graph when dx is
+also an output and then leaves the sum unwritten: docs/performance.md, Decisions), so that
+add is one PyTorch kernel.
 ``input`` and ``residual`` get the same gradient.
 
 Works on ``[M, N]`` views with one implementation for both norms: ``rms`` selects the op's
