@@ -40,7 +40,7 @@ for stage in "$@"; do
     tests-ada)   pytest_gpu tests-ada 150 tests/test_ada_layer_norm.py ;;
     tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;
     tests-rows)  pytest_gpu tests-rows 120 tests/test_rows.py ;;
-    notebooks)   timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
+    notebooks)   timeout 480 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
     host)        timeout 150 python3 benchmarks/host_profile.py --out "$out" 2>&1 | tee "$out/host.log" | grep -E " us$|device" ;;
     api)         timeout 200 python3 benchmarks/api_vs_raw.py --out "$out" --parts api,host 2>&1 | tee "$out/api.log" | grep -E "test=|device" ;;
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;

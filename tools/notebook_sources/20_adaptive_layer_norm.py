@@ -108,7 +108,9 @@ print("dx, dscale, dshift match PyTorch:", tuple(dx.shape), tuple(dscale.shape),
 # Below the functional API, every cuDNN graph is described by a `NormSpec` (op, phase,
 # shape, dtypes, device, options: the key of the plan cache). `build_ir` turns a spec into
 # a cuDNN-frontend graph without touching a GPU; `get_plan` validates, builds and caches it
-# on the GPU, and `Plan.run` executes it with buffers in a fixed role order.
+# on the GPU, and `Plan.run` executes it with one buffer per role, in the order
+# `_graphs.roles(spec)` lists them. A buffer in the wrong slot is read as that slot's tensor
+# (a fault or wrong numbers, not an error), so the cells below name each buffer by its role.
 #
 # ### Forward (training phase)
 
@@ -138,7 +140,9 @@ if device == "cuda":
     y_graph = torch.empty_like(x2)
     mean_graph = torch.empty(batch * seq, device=device)
     rstd_graph = torch.empty(batch * seq, device=device)
-    plan.run(x2, scale2, shift2, _graphs.host_scalar(eps, fwd_spec), y_graph, mean_graph, rstd_graph)
+    fwd_buffers = {"x": x2, "scale": scale2, "bias": shift2, "eps": _graphs.host_scalar(eps, fwd_spec),
+                   "y": y_graph, "mean": mean_graph, "rstd": rstd_graph}
+    plan.run(*(fwd_buffers[role] for role in _graphs.roles(fwd_spec)))
     torch.testing.assert_close(y_graph.view_as(y_ref), y_ref, **ELEMENTWISE)
     torch.testing.assert_close(mean_graph, mean_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rstd_graph, rstd_ref, atol=1e-5, rtol=1e-5)
@@ -167,8 +171,10 @@ if device == "cuda":
     dx_graph = torch.empty_like(x2)
     dscale_graph = torch.empty(batch, dim, device=device, dtype=dtype)
     dshift_graph = torch.empty(batch, dim, device=device, dtype=dtype)
-    bwd_plan.run(x2, scale2, dy.reshape(batch * seq, dim), mean_graph, rstd_graph, dx_graph, dscale_graph,
-                 dshift_graph)
+    # the graph's "dbias" output is the shift's gradient
+    bwd_buffers = {"x": x2, "scale": scale2, "mean": mean_graph, "rstd": rstd_graph, "dy": dy.reshape(batch * seq, dim),
+                   "dx": dx_graph, "dscale": dscale_graph, "dbias": dshift_graph}
+    bwd_plan.run(*(bwd_buffers[role] for role in _graphs.roles(bwd_spec)))
     torch.testing.assert_close(dx_graph.view_as(dx_ref), dx_ref, **ELEMENTWISE)
     torch.testing.assert_close(dscale_graph.view_as(dscale_ref), dscale_ref, **token_sum_tolerance(dscale_ref))
     torch.testing.assert_close(dshift_graph.view_as(dshift_ref), dshift_ref, **token_sum_tolerance(dshift_ref))
