@@ -6,6 +6,7 @@
 #         bench-ln bench-rms ada rows
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes).
+# dist-steps: NPROC ranks (default 2, one GPU each; NPROC=1 runs the same script on one GPU).
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -33,7 +34,7 @@ for stage in "$@"; do
     tests-dist)  pytest_gpu tests-dist 300 tests/test_distributed.py ;;
     dist-steps)
       for setup in fsdp2 tp; do
-        timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/distributed_steps.py --setup "$setup" \
+        timeout 240 torchrun --standalone --nproc-per-node "${NPROC:-2}" benchmarks/distributed_steps.py --setup "$setup" \
           --out "$out/distributed_steps.csv" 2>&1 | grep -vE "nanobind|leaked|OMP_NUM_THREADS|^\*+$" | tail -6
       done ;;
     tests-core)  pytest_gpu tests-core 200 tests/test_norms_gpu.py tests/test_bench.py ;;

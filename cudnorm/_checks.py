@@ -142,3 +142,22 @@ def norm_call(op: str, input, normalized_shape, params: dict, eps) -> tuple[int,
     for name, p in params.items():
         check_param(op, name, p, input, shape)
     return n, check_eps(op, eps)
+
+
+def rows(op: str, arg: str, value: torch.Tensor, n: int) -> torch.Tensor:
+    """``value: [*, N]`` as ``[M, N]`` rows (a view where its strides allow), the layout
+    cudnorm's ops take. A DTensor that this torch cannot flatten (a sequence shard before
+    torch 2.13, a batch that does not divide over the mesh) raises ``ValueError`` naming the
+    op, the argument and the ways out, instead of DTensor's own message."""
+    try:
+        return value.reshape(-1, n)
+    except RuntimeError as error:
+        placements = getattr(value, "placements", None)
+        if placements is None:  # not a DTensor: not ours to explain
+            raise
+        raise ValueError(
+            f"cudnorm.{op}: argument '{arg}' is a DTensor of shape {tuple(value.shape)} placed "
+            f"{list(placements)}, which torch {torch.__version__} cannot flatten into the rows of "
+            f"cudnorm's op ({str(error).splitlines()[0]}); PyTorch's own op takes it: the default "
+            "policy='auto' hands DTensors to it when the parameters have the input's dtype; or shard a dim "
+            "that divides evenly over the mesh (torch >= 2.13 flattens sequence shards)") from error

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _call_plans, _dispatch, _norm, _ops, _policy, _runtime
+from . import _call_plans, _checks, _dispatch, _norm, _ops, _policy, _runtime
 from ._graphs import eps_scalar, roles
 
 _F32 = torch.float32
 _OPS = (_norm.LAYER_NORM, _norm.RMS_NORM)  # indexed by the ops' ``rms`` flag
+_IMPLS = tuple(_norm.implement(op) for op in _OPS)
 
 # Widest rows whose forward runs the fused graph, per op. H100, bf16, M = 32768, the fused
 # graph against PyTorch's add + the plain graph (docs/performance.md, Decisions): RMSNorm
@@ -96,35 +97,14 @@ def backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, 
     if dy is None:  # only the residual stream was used: the norm adds nothing
         zeros = torch.zeros(n, dtype=wdtype, device=h.device)
         return dh.clone(), zeros, zeros.clone()
-    dx = dw = db = None
-    if _runtime.route(h) is None and (not offset or offset in _OPS[rms].cudnn_offsets):
-        h, plan = _call_plans.rows_plan(_OPS[rms].name, "bwd", h, wdtype, bool(offset))
-        if plan is not None:
-            m = h.shape[0]
-            dx = torch.empty_like(h)
-            dw = torch.empty(n, dtype=wdtype, device=h.device)
-            db = torch.empty(n, dtype=wdtype, device=h.device)
-            buffers = {"x": h, "scale": _dispatch.constant(1.0, n, _F32, h.device) if weight is None else weight,
-                       "mean": stats[0, :m], "rstd": stats[-1, :m], "dy": _dispatch.packed(dy), "dx": dx,
-                       "dscale": dw, "dbias": db}
-            if offset:
-                buffers["offset"] = eps_scalar(offset)[0]
-            plan.run(*(buffers[role] for role in roles(plan.spec)))
-            if rms:
-                db.zero_()  # RMSNorm has no bias; the op's schema still returns a dbias
-    if dx is None:
-        dx, dw, db = _torch_backward(dy, h, weight, stats, rms, offset)
+    # the plain op's backward on h (cuDNN's graph or PyTorch's math, as it chooses), then dh;
+    # RMSNorm's statistics are row 0 of [1, ceil4(M)], where the plain op keeps an [M] vector
+    dx, dw, db = _IMPLS[rms].backward(dy, h, weight, stats[0, :h.shape[0]] if rms else stats, offset)
+    if db is None:  # RMSNorm has no bias; the op's schema still returns a dbias
+        db = torch.zeros_like(dw)
     if dh is not None:
         dx.add_(dh)
     return dx, dw, db
-
-
-def _torch_backward(dy, h, weight, stats, rms, offset):
-    """PyTorch path: the plain op's fp32 backward (:func:`cudnorm._norm.torch_backward`) on
-    ``h``; RMSNorm's dbias is zeros (the op's schema returns one)."""
-    m = h.shape[0]
-    dx, dw, db = _norm.torch_backward(_OPS[rms], dy, h, weight, None if rms else stats[0, :m], stats[-1, :m], offset)
-    return dx, dw, torch.zeros_like(dw) if db is None else db
 
 
 def reference(x, residual, normalized_shape, weight, bias, eps, rms, offset=0.0):
@@ -160,7 +140,7 @@ add_norm_bwd = _ops.define_op(
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, training, rms, offset = inputs
+    _x, _residual, weight, bias, eps, _training, rms, offset = inputs
     ctx.set_materialize_grads(False)  # no zero gradient is made for an unused y or h
     ctx.save_for_backward(output[1], weight, output[2])
     ctx.bias_dtype = None if bias is None or rms else bias.dtype
@@ -237,8 +217,8 @@ def call(input: torch.Tensor, residual: torch.Tensor, normalized_shape, n: int, 
         shape = (normalized_shape,) if type(normalized_shape) is int else tuple(normalized_shape)
         return reference(input, residual, shape, weight, bias, eps, rms, offset)
     flat = input.dim() == 2 and input.shape[1] == n
-    x = input if flat else input.reshape(-1, n)
-    r = residual if flat else residual.reshape(-1, n)
+    x = input if flat else _checks.rows(_OPS[rms].name, "input", input, n)
+    r = residual if flat else _checks.rows(_OPS[rms].name, "residual", residual, n)
     w = weight if weight is None or flat else weight.reshape(n)
     b = bias if bias is None or flat else bias.reshape(n)
     y, h = run(x, r, w, b, eps, rms, offset)

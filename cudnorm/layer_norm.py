@@ -65,7 +65,7 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         return torch.layer_norm(input, shape, weight, bias, eps)
     flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
-    x = input if flat else input.reshape(-1, n)
+    x = input if flat else _checks.rows(_OP, "input", input, n)
     w = weight if weight is None or flat else weight.reshape(n)
     b = bias if bias is None or flat else bias.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)

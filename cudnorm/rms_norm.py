@@ -73,7 +73,7 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
             return _norm.gemma_rms_norm(input, shape, weight, eps, weight_offset)
         return torch.rms_norm(input, shape, weight, eps)
     flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
-    x = input if flat else input.reshape(-1, n)
+    x = input if flat else _checks.rows(_OP, "input", input, n)
     w = weight if weight is None or flat else weight.reshape(n)
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
     if not _ops.eager(input):

@@ -1,7 +1,7 @@
 """cudnorm under DDP, FSDP2 and tensor + sequence parallelism, in 2 processes.
 
-Each test spawns 2 workers (gloo on the CPU; nccl on ``cuda:<rank>`` in the ``gpu``-marked
-cases, which need 2 GPUs). A worker runs one scenario and saves what it saw (losses, norm
+Each test spawns 2 workers (gloo on the CPU; in the ``gpu``-marked cases nccl on
+``cuda:<rank>``, which needs 2 GPUs, and gloo with both ranks on ``cuda:0`` for DDP and FSDP2). A worker runs one scenario and saves what it saw (losses, norm
 outputs, placements, the autograd nodes of the norm outputs, module counts) to one file per
 rank; the test process makes every assertion on those files.
 
@@ -47,11 +47,11 @@ SPAWN_TIMEOUT_S = 240
 # run the same kernels; with policy="cudnn" cudnorm's fallback recomputes in another order
 # (cuDNN on a GPU), so they may differ by rounding, compounded over the steps
 FP32_TOL = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
-FP32_TOL["emulated"] = FP32_TOL["cpu"]
+FP32_TOL["emulated"], FP32_TOL["shared-gpu"] = FP32_TOL["cpu"], FP32_TOL["cuda"]
 # TP against one process: sharded matmuls sum their partial products in another order (and a
 # norm's weight gradient, summed per rank and then across the ranks)
 TP_TOL = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
-TP_TOL["emulated"] = TP_TOL["cpu"]
+TP_TOL["emulated"], TP_TOL["shared-gpu"] = TP_TOL["cpu"], TP_TOL["cuda"]
 # bf16 parameters (FSDP2 mixed precision): cudnorm computes in fp32 and rounds once, PyTorch's
 # bf16 RMSNorm may round elsewhere; a few bf16 ulps per step
 BF16_TOL = dict(rtol=1e-2, atol=1e-2)
@@ -60,10 +60,18 @@ BACKENDS = [
     pytest.param("cpu", id="gloo-cpu"),
     # CPU tensors through the cuDNN path's own code, the graphs emulated (tests/emulated_cudnn.py)
     pytest.param("emulated", id="gloo-emulated-cudnn"),
+    # both ranks on cuda:0, gloo carrying CUDA tensors: cuDNN's graphs under DDP, FSDP2 and the
+    # sharding rules on a one-GPU machine (NCCL refuses two ranks on one device)
+    pytest.param("shared-gpu", id="gloo-1gpu", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
     pytest.param("cuda", id="nccl-2gpu", marks=[
         pytest.mark.gpu,
         pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")]),
 ]
+# TP + SP redistributes through DTensor's functional collectives, whose all-gather crashes with
+# gloo on CUDA tensors (SIGSEGV in wait_tensor; all_reduce works: torch 2.11, H100), so the
+# shared-GPU set-up runs DDP and FSDP2 only
+TP_BACKENDS = [param for param in BACKENDS if param.id != "gloo-1gpu"]
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -312,8 +320,20 @@ def _fsdp2_run(model, mesh, mp_policy, tokens, targets, device):
             for h in handles:
                 h.remove()
     rec["losses"] = losses
-    rec["final_norm_weight"] = model.norm.weight.full_tensor().detach().cpu()
+    rec["final_norm_weight"] = _gathered(model.norm.weight).cpu()
     return rec
+
+
+def _gathered(weight):
+    """The whole of a parameter FSDP2 sharded on dim 0, by c10d's all-gather: ``full_tensor()``
+    takes DTensor's functional collectives, which crash with gloo on CUDA tensors (SIGSEGV in
+    ``AsyncCollectiveTensor``, torch 2.11 on an H100)."""
+    import torch.distributed as dist
+
+    local = weight.to_local().detach().contiguous()
+    whole = local.new_empty((local.shape[0] * WORLD, *local.shape[1:]))
+    dist.all_gather_into_tensor(whole, local)
+    return whole
 
 
 def _scenario_fsdp2(rank, device):
@@ -486,10 +506,10 @@ def _worker(rank, scenario, device_type, init_file, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two processes on a small machine
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
+    if device_type in ("cuda", "shared-gpu"):
+        device = torch.device("cuda", rank if device_type == "cuda" else 0)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "nccl" if device_type == "cuda" else "gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if device_type == "emulated":
@@ -502,6 +522,10 @@ def _worker(rank, scenario, device_type, init_file, out_dir):
         result = {"ok": SCENARIOS[scenario](rank, device)}
         if device_type == "emulated":
             result["emulated_launches"] = sum(emulated_cudnn.launches.values())
+        elif device.type == "cuda":
+            import cudnorm
+
+            result["cudnn_plans"] = {"built": cudnorm.cache_info().builds, "declined": cudnorm.cache_info().declined}
     except Exception:  # noqa: BLE001 - reported by the test with the worker's traceback
         result = {"error": traceback.format_exc()}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -537,6 +561,9 @@ def run_workers(scenario, device_type, tmp_path) -> list[dict]:
     assert not errors, "\n".join(errors)
     if device_type == "emulated":  # the policy="cudnn" runs reached the (emulated) cuDNN path
         assert all(rec["emulated_launches"] > 0 for rec in records), [rec["emulated_launches"] for rec in records]
+    if "cudnn_plans" in records[0]:  # the policy="cudnn" runs built cuDNN graphs, and none was declined
+        assert all(rec["cudnn_plans"]["built"] > 0 == rec["cudnn_plans"]["declined"] for rec in records), \
+            [rec["cudnn_plans"] for rec in records]
     return [rec["ok"] for rec in records]
 
 
@@ -617,7 +644,7 @@ def tp_ranks(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("device_type", BACKENDS)
+@pytest.mark.parametrize("device_type", TP_BACKENDS)
 def test_tensor_and_sequence_parallel_match_one_process(device_type, tp_ranks):
     ranks = tp_ranks(device_type)
     tol = TP_TOL[device_type]
@@ -662,7 +689,7 @@ def test_tensor_and_sequence_parallel_match_one_process(device_type, tp_ranks):
         pytest.skip(f'policy="cudnn" not run: {SEQUENCE_SHARD_SKIP}')
 
 
-@pytest.mark.parametrize("device_type", BACKENDS)
+@pytest.mark.parametrize("device_type", TP_BACKENDS)
 def test_cudnn_policy_runs_cudnorms_ops_on_dtensors(device_type, tp_ranks):
     """The TP workers' direct calls (``_dtensor_calls``): cudnorm's own op ran, the output and
     gradients are placed by its rules and equal one process's whole-tensor call."""
