@@ -5,7 +5,12 @@ Providers: cudnorm (``rms_norm``/``layer_norm(..., residual=)``), PyTorch eager 
 the norm: what model code writes), ``torch.compile`` of that, Liger's ``LigerFusedAddRMSNorm``
 and QuACK's ``rmsnorm(..., residual=, prenorm=True)`` where installed. Every timed call gets
 new input tensors: one of three input sets in turn, so no two consecutive calls share an
-address. Bandwidth counts what an ideal fused kernel moves (forward: read x, r, write h, y;
+address. Providers are timed in interleaved rounds (each round runs every provider's forward,
+then its forward+backward, ``--iters`` calls each) and the median round is kept: a lent host's
+CPU jitter moved single 30-call means of one provider by up to 1.5x within one process
+(docs/performance.md, "Fused residual add"). ``fwd_bwd_host_ms`` is the host time per call of
+the median round's loop: where it nears ``fwd_bwd_ms`` the loop is host-bound and the GPU
+waited on Python. Bandwidth counts what an ideal fused kernel moves (forward: read x, r, write h, y;
 backward: read h, dy, dh, write dx; statistics and weights left out) and is given against a
 device-to-device copy of the same size on the same GPU. The backward returns the gradients
 (``torch.autograd.grad``) rather than accumulating them into ``.grad``, which would add
@@ -21,7 +26,9 @@ import argparse
 import csv
 import importlib
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,7 @@ import cudnorm  # noqa: E402
 
 EPS = 1e-6
 SETS = 3
+ROUNDS = 7
 _NAMES = ("cudnorm", "cudnorm-unfused", "torch", "compile", "liger", "quack")
 
 
@@ -82,24 +90,45 @@ def _unfused(forward):
     return run
 
 
-def _time(fn, sets, iters: int) -> float:
-    """Mean ms per call over ``iters`` calls cycling through ``sets`` (after warm-up calls)."""
+def _warm(fn, sets) -> None:
     for k in range(2 * SETS):
         fn(*sets[k % SETS])
     torch.cuda.synchronize()
+
+
+def _round(fn, sets, iters: int) -> tuple[float, float]:
+    """``(GPU ms, host ms)`` per call over one round of ``iters`` back-to-back calls cycling
+    through ``sets``; host ms is the time the Python loop took to enqueue them."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     start.record()
+    t0 = time.perf_counter()
     for k in range(iters):
         fn(*sets[k % SETS])
+    host = time.perf_counter() - t0
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return start.elapsed_time(end) / iters, host * 1e3 / iters
+
+
+def _step(forward, grads):
+    """forward + backward of ``forward`` on leaf inputs; the call counter picks the gradient set.
+    Gradients are returned, not accumulated into ``.grad`` (that would add passes)."""
+    calls = [0]
+
+    def step(x, r, w, b):
+        y, h = forward(x, r, w, b)
+        torch.autograd.grad([y, h], [x, r, w], list(grads[calls[0] % SETS]))
+        calls[0] += 1
+    return step
 
 
 def _copy_gbs(numel: int, device: str) -> float:
     src = torch.empty(numel, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = _time(lambda a, b: b.copy_(a), [(src, dst)] * SETS, 20)
+    copy = lambda a, b: b.copy_(a)
+    _warm(copy, [(src, dst)] * SETS)
+    ms = statistics.median(_round(copy, [(src, dst)] * SETS, 20)[0] for _ in range(ROUNDS))
     return 2 * numel * 2 / ms / 1e6
 
 
@@ -135,32 +164,37 @@ def main() -> None:
             x, r, w, b = (t.double() for t in sets[0])
             h = x + r
             ref = (F.rms_norm(h, (n,), w, EPS) if norm == "rms" else F.layer_norm(h, (n,), w, b, EPS), h)
+            leaves = [tuple(t.detach().requires_grad_(True) for t in s) for s in sets]
+            timed = {}  # name -> (forward, step, max_rel_err)
             for name, forward in _providers(norm, n).items():
+                step = _step(forward, grads)
                 try:
                     err = _check(forward, sets[0], ref)
                     with torch.no_grad():
-                        fwd_ms = _time(forward, sets, args.iters)
-                    leaves = [tuple(t.detach().requires_grad_(True) for t in s) for s in sets]
-
-                    def step(x, r, w, b, k=[0]):  # noqa: B006 - the call counter picks the gradient set
-                        y, h = forward(x, r, w, b)
-                        # gradients returned, not accumulated into .grad (that would add passes)
-                        torch.autograd.grad([y, h], [x, r, w], list(grads[k[0] % SETS]))
-                        k[0] += 1
-
-                    step_ms = _time(step, leaves, args.iters)
+                        _warm(forward, sets)
+                    _warm(step, leaves)
                 except Exception as exc:
                     print(f"{norm} {n} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
+                timed[name] = (forward, step, err)
+            rounds = {name: [] for name in timed}
+            for _ in range(ROUNDS):
+                for name, (forward, step, _err) in timed.items():
+                    with torch.no_grad():
+                        fwd = _round(forward, sets, args.iters)
+                    rounds[name].append((fwd[0], *_round(step, leaves, args.iters)))
+            for name, (_f, _s, err) in timed.items():
+                fwd_ms = statistics.median(r[0] for r in rounds[name])
+                step_ms, host_ms = sorted(r[1:] for r in rounds[name])[ROUNDS // 2]
                 act = numel * 2
                 row = dict(norm=norm, rows=args.rows, cols=n, provider=name, max_rel_err=err,
-                           fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(step_ms, 4),
+                           fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(step_ms, 4), fwd_bwd_host_ms=round(host_ms, 4),
                            fwd_gbs=round(4 * act / fwd_ms / 1e6), fwd_bwd_gbs=round(8 * act / step_ms / 1e6),
                            copy_gbs=round(copy[n]))
                 row["fwd_bwd_pct_copy"] = round(100 * row["fwd_bwd_gbs"] / row["copy_gbs"], 1)
                 rows_out.append(row)
                 print(row, flush=True)
-            del sets, grads
+            del sets, grads, leaves, timed
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
@@ -172,9 +206,15 @@ def main() -> None:
             cells = []
             for p in _NAMES:
                 hit = [r for r in rows_out if r["norm"] == norm and r["cols"] == n and r["provider"] == p]
-                cells.append(f"{hit[0]['fwd_ms']:6.3f}/{hit[0]['fwd_bwd_ms']:7.3f}" if hit else "-")
+                if hit:
+                    r = hit[0]
+                    mark = "*" if r["fwd_bwd_host_ms"] > 0.9 * r["fwd_bwd_ms"] else " "
+                    cells.append(f"{r['fwd_ms']:6.3f}/{r['fwd_bwd_ms']:7.3f}{mark}")
+                else:
+                    cells.append("-")
             print(f"{norm:4s} {n:6d} " + " ".join(f"{c:>16s}" for c in cells))
-    print("(fwd ms / fwd+bwd ms)")
+    print(f"(fwd ms / fwd+bwd ms; median of {ROUNDS} interleaved rounds; *: host-bound, the loop's host time "
+          "was over 90% of the GPU time)")
 
 
 if __name__ == "__main__":
