@@ -478,8 +478,10 @@ def _dtensor_calls(mesh, device, sequence_shards: bool):
                           for t in (x, *params)]
                 inputs = [t.requires_grad_() for t in inputs]
                 y = fn(*inputs)
-                y.pow(2).sum().backward()
-                tensors = [y, *(t.grad for t in inputs)]
+                # the gradients as the backward op placed them. ``.grad`` may differ: on 2 GPUs
+                # (torch 2.11) AdaLN's modulation got Replicate() ``.grad``s, likely AccumulateGrad
+                # copying the Partial gradient into a Replicate one (pytorch/pytorch#180486)
+                tensors = [y, *torch.autograd.grad(y.pow(2).sum(), inputs)]
                 out[name, label] = {"node": _node(y), "placements": [[repr(p) for p in t.placements] for t in tensors],
                                     "values": [t.full_tensor().detach().cpu() for t in tensors]}
     return out
