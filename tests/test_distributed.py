@@ -646,76 +646,73 @@ def tp_ranks(tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize("policy", ["auto", "cudnn"])
 @pytest.mark.parametrize("device_type", TP_BACKENDS)
-def test_tensor_and_sequence_parallel_match_one_process(device_type, tp_ranks):
+def test_tensor_and_sequence_parallel_match_one_process(device_type, policy, tp_ranks):
     ranks = tp_ranks(device_type)
     tol = TP_TOL[device_type]
-    policies = [policy for policy in ("auto", "cudnn") if policy in ranks[0]]
-    for policy in policies:
-        for rank, all_recs in enumerate(ranks):
-            rec = all_recs[policy]
-            where = f"rank {rank}, policy={policy}"
-            assert rec["modules"] == ["RMSNorm"], where
-            assert rec["plain_params"] == [], where
-            placements = rec["placements"]
-            assert placements["layers.0.ffn_norm.weight"] == ["Replicate()"], placements
-            assert placements["norm.weight"] == ["Replicate()"], placements
-            assert placements["layers.0.feed_forward.w1.weight"] == ["Shard(dim=0)"], placements  # column-wise
-            assert placements["layers.0.feed_forward.w2.weight"] == ["Shard(dim=1)"], placements  # row-wise
-            assert placements["tok_embeddings.weight"] == ["Shard(dim=0)"], placements
-            # norm outputs: DTensors sharded on the sequence dim, half the tokens on each rank
-            assert rec["norm_out_types"] == ["DTensor"] * 3, rec["norm_out_types"]
-            assert rec["norm_out_placements"] == [["Shard(dim=1)"]] * 3, rec["norm_out_placements"]
-            assert rec["norm_out_local_shapes"] == [[BATCH, TOKENS // WORLD, DIM]] * 3, rec["norm_out_local_shapes"]
-            if policy == "cudnn":  # cudnorm's op on each rank's tokens, through its sharding rule
-                assert set(rec["nodes_tp"]) == {"GeneratedBackwardFor_cudnorm_rms_norm_fwd_defaultBackward"}, \
-                    (where, rec["nodes_tp"])
-            else:
-                assert not any("cudnorm" in n for n in rec["nodes_tp"]), (where, rec["nodes_tp"])
-            for i, (got, want) in enumerate(zip(rec["norm_out_tp"], rec["norm_out_single"], strict=True)):
-                _close(got, want, tol, f"{where}: norm output {i}")
-            assert rec["logits_type"] == "Tensor"  # output_layouts=Replicate(): full logits on every rank
-            _close(rec["logits_tp"], rec["logits_single"], tol, f"{where}: logits")
-            # a replicated weight with sequence-sharded activations: partial gradients, summed when
-            # gathered (cudnorm's rule says Partial; how PyTorch's own op leaves it depends on its release)
-            want_grad = [["Partial(sum)"]] if policy == "cudnn" else [["Partial(sum)"], ["Replicate()"]]
-            assert rec["norm_grad_placements"] in want_grad, rec["norm_grad_placements"]
-            _close(rec["norm_grad_tp"], rec["norm_grad_single"], dict(rtol=1e-4, atol=1e-6),
-                   f"{where}: norm weight grad")
-            _close(rec["losses_tp"], rec["losses_single"], tol, f"{where}: losses")
-            assert rec["losses_tp"][-1] < rec["losses_tp"][0], rec["losses_tp"]
-            for name, want in rec["final_single"].items():
-                _close(rec["final_tp"][name], want, dict(rtol=1e-4, atol=1e-5), f"{where}: trained {name}")
-        torch.testing.assert_close(ranks[0][policy]["logits_tp"], ranks[1][policy]["logits_tp"], rtol=0, atol=0)
-    if "cudnn" not in policies:
+    if policy not in ranks[0]:
         pytest.skip(f'policy="cudnn" not run: {SEQUENCE_SHARD_SKIP}')
+    for rank, all_recs in enumerate(ranks):
+        rec = all_recs[policy]
+        where = f"rank {rank}, policy={policy}"
+        assert rec["modules"] == ["RMSNorm"], where
+        assert rec["plain_params"] == [], where
+        placements = rec["placements"]
+        assert placements["layers.0.ffn_norm.weight"] == ["Replicate()"], placements
+        assert placements["norm.weight"] == ["Replicate()"], placements
+        assert placements["layers.0.feed_forward.w1.weight"] == ["Shard(dim=0)"], placements  # column-wise
+        assert placements["layers.0.feed_forward.w2.weight"] == ["Shard(dim=1)"], placements  # row-wise
+        assert placements["tok_embeddings.weight"] == ["Shard(dim=0)"], placements
+        # norm outputs: DTensors sharded on the sequence dim, half the tokens on each rank
+        assert rec["norm_out_types"] == ["DTensor"] * 3, rec["norm_out_types"]
+        assert rec["norm_out_placements"] == [["Shard(dim=1)"]] * 3, rec["norm_out_placements"]
+        assert rec["norm_out_local_shapes"] == [[BATCH, TOKENS // WORLD, DIM]] * 3, rec["norm_out_local_shapes"]
+        if policy == "cudnn":  # cudnorm's op on each rank's tokens, through its sharding rule
+            assert set(rec["nodes_tp"]) == {"GeneratedBackwardFor_cudnorm_rms_norm_fwd_defaultBackward"}, \
+                (where, rec["nodes_tp"])
+        else:
+            assert not any("cudnorm" in n for n in rec["nodes_tp"]), (where, rec["nodes_tp"])
+        for i, (got, want) in enumerate(zip(rec["norm_out_tp"], rec["norm_out_single"], strict=True)):
+            _close(got, want, tol, f"{where}: norm output {i}")
+        assert rec["logits_type"] == "Tensor"  # output_layouts=Replicate(): full logits on every rank
+        _close(rec["logits_tp"], rec["logits_single"], tol, f"{where}: logits")
+        # a replicated weight with sequence-sharded activations: partial gradients, summed when
+        # gathered (cudnorm's rule says Partial; how PyTorch's own op leaves it depends on its release)
+        want_grad = [["Partial(sum)"]] if policy == "cudnn" else [["Partial(sum)"], ["Replicate()"]]
+        assert rec["norm_grad_placements"] in want_grad, rec["norm_grad_placements"]
+        _close(rec["norm_grad_tp"], rec["norm_grad_single"], dict(rtol=1e-4, atol=1e-6),
+               f"{where}: norm weight grad")
+        _close(rec["losses_tp"], rec["losses_single"], tol, f"{where}: losses")
+        assert rec["losses_tp"][-1] < rec["losses_tp"][0], rec["losses_tp"]
+        for name, want in rec["final_single"].items():
+            _close(rec["final_tp"][name], want, dict(rtol=1e-4, atol=1e-5), f"{where}: trained {name}")
+    torch.testing.assert_close(ranks[0][policy]["logits_tp"], ranks[1][policy]["logits_tp"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("label", X_PLACEMENTS)
+@pytest.mark.parametrize("name", DTENSOR_CALLS)
 @pytest.mark.parametrize("device_type", TP_BACKENDS)
-def test_cudnn_policy_runs_cudnorms_ops_on_dtensors(device_type, tp_ranks):
+def test_cudnn_policy_runs_cudnorms_ops_on_dtensors(device_type, name, label, tp_ranks):
     """The TP workers' direct calls (``_dtensor_calls``): cudnorm's own op ran, the output and
     gradients are placed by its rules and equal one process's whole-tensor call."""
-    calls = [rec["calls"] for rec in tp_ranks(device_type)]
+    ranks = tp_ranks(device_type)
+    calls = [rec["calls"] for rec in ranks]
+    if (name, label) not in calls[0]:  # left out only where sequence shards cannot be flattened
+        assert label == "Shard(dim=1)" and name != "ada_layer_norm" and "cudnn" not in ranks[0], (name, label)
+        pytest.skip(f"{name} on {label} not run: {SEQUENCE_SHARD_SKIP}")
     tol = TP_TOL[device_type]
-    left_out = [(name, label) for name in DTENSOR_CALLS for label in X_PLACEMENTS if (name, label) not in calls[0]]
-    assert left_out in ([], [(name, "Shard(dim=1)") for name in DTENSOR_CALLS if name != "ada_layer_norm"]), left_out
+    op = name.removesuffix("_offset")
     for rank, rec in enumerate(calls):
-        for name in DTENSOR_CALLS:
-            op = name.removesuffix("_offset")
-            for label in X_PLACEMENTS:
-                if (name, label) in left_out:
-                    continue
-                got, where = rec[name, label], f"rank {rank}: {name} on {label}"
-                assert got["node"] == f"GeneratedBackwardFor_cudnorm_{op}_fwd_defaultBackward", (where, got["node"])
-                out, dx, *dparams = got["placements"]
-                if label == "Shard(dim=2)":  # the normalised dim: rows made whole before the op
-                    assert out == dx and "dim=2" not in out[0], (where, got["placements"])
-                else:  # rows: each rank normalises its own; replicated weights get per-rank sums
-                    assert out == dx == [label], (where, got["placements"])
-                    batch_shard_modulation = name == "ada_layer_norm" and label == "Shard(dim=0)"
-                    want = [label] if batch_shard_modulation or label == "Replicate()" else ["Partial(sum)"]
-                    assert all(p == want for p in dparams), (where, dparams)
-                for i, (value, ref) in enumerate(zip(got["values"], rec[name, "ref"], strict=True)):
-                    _close(value, ref, tol, f"{where}, tensor {i}")
-    if left_out:
-        pytest.skip(f"{left_out} not run: {SEQUENCE_SHARD_SKIP}")
+        got, where = rec[name, label], f"rank {rank}: {name} on {label}"
+        assert got["node"] == f"GeneratedBackwardFor_cudnorm_{op}_fwd_defaultBackward", (where, got["node"])
+        out, dx, *dparams = got["placements"]
+        if label == "Shard(dim=2)":  # the normalised dim: rows made whole before the op
+            assert out == dx and "dim=2" not in out[0], (where, got["placements"])
+        else:  # rows: each rank normalises its own; replicated weights get per-rank sums
+            assert out == dx == [label], (where, got["placements"])
+            batch_shard_modulation = name == "ada_layer_norm" and label == "Shard(dim=0)"
+            want = [label] if batch_shard_modulation or label == "Replicate()" else ["Partial(sum)"]
+            assert all(p == want for p in dparams), (where, dparams)
+        for i, (value, ref) in enumerate(zip(got["values"], rec[name, "ref"], strict=True)):
+            _close(value, ref, tol, f"{where}, tensor {i}")
