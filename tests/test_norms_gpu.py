@@ -395,3 +395,32 @@ def test_raw_execute_matches_public_execute(case):
         assert torch.equal(launched, raw), f"{case}: {roles[i]} differs between launch by address and run"
         assert torch.equal(raw, public), f"{case}: {roles[i]} differs between raw and public execute"
         assert torch.equal(public_launched, public), f"{case}: {roles[i]}: public execute, addresses vs tensors"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["layer_norm", "rms_norm", "rms_norm_fp32_weight", "rms_norm_residual", "ada_layer_norm"])
+def test_leaf_gradients_are_kept_not_copied(case, dtype):
+    """AccumulateGrad keeps the gradient tensors cudnorm's backward returns as ``.grad`` (a
+    hook sees the same storage) instead of copying them: a copy would be one more kernel and
+    allocation per leaf and step. It copies when the backward holds another reference to a
+    gradient or returns one tensor for two inputs."""
+    n = 1024
+    x = torch.randn(4, 256, n, device="cuda", dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.float32 if case.endswith("fp32_weight") else dtype)
+    b = 0.1 * torch.randn(n, device="cuda", dtype=dtype)
+    r = torch.randn_like(x)
+    scale, shift = 0.5 * torch.randn(4, n, device="cuda", dtype=dtype), 0.5 * torch.randn(4, n, device="cuda", dtype=dtype)
+    calls = {"layer_norm": (lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5), [x, w, b]),
+             "rms_norm": (lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-5), [x, w]),
+             "rms_norm_fp32_weight": (lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-5), [x, w]),
+             "rms_norm_residual": (lambda x, r, w: cudnorm.rms_norm(x, (n,), w, 1e-5, residual=r)[0], [x, r, w]),
+             "ada_layer_norm": (lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=True),
+                                [x, scale, shift])}
+    fn, leaves = calls[case]
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    seen = {}
+    for i, t in enumerate(leaves):
+        t.register_hook(lambda g, i=i: seen.__setitem__(i, g.data_ptr()))
+    with cudnorm.config(policy="cudnn"):
+        fn(*leaves).float().pow(2).sum().backward()
+    assert [t.grad.data_ptr() for t in leaves] == [seen[i] for i in range(len(leaves))]
