@@ -6,6 +6,7 @@
 #         bench-ln bench-rms ada rows
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes).
+# notebooks: needs the dev extra's nbformat, nbclient and ipykernel importable (else every notebook test fails, saying so).
 # dist-steps: NPROC ranks (default 2, one GPU each; NPROC=1 runs the same script on one GPU).
 set -uo pipefail
 out=${1:?output directory}; shift
