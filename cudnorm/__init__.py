@@ -4,6 +4,7 @@ On a CUDA tensor the ops run cached cuDNN-frontend graphs; elsewhere (CPU tensor
 a configuration cuDNN declines) the same calls run PyTorch's kernels.
 """
 
+from . import _native  # noqa: F401 - the native launch path, tried at the first CUDA call
 from . import _sharding  # noqa: F401 - registers the DTensor sharding rules of cudnorm's ops
 from . import diffusers  # cudnorm.diffusers: diffusers-compatible AdaLN classes (not in __all__: a star
 #                         import must not shadow the diffusers package)

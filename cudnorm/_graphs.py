@@ -298,6 +298,10 @@ class Plan:
     # form for it (cudnn-facts section 5), so store-loaded plans use that form.
     ordered: bool = True
     raw: RawExecute | None = None  # the fast launcher, when RawExecute.for_graph allows one
+    # cuDNN's serialized plan (serialize_plan), kept once made: the plan store writes it and
+    # the native launch path (cudnorm._native) deserializes its own copy of the plan from it
+    blob: bytes | None = None
+    native_id: int | None = None  # the plan's id in the native path's table, once added there
 
     def run(self, *buffers: torch.Tensor) -> None:
         """Execute on torch's current stream. ``buffers`` follow :func:`roles`; the workspace
@@ -505,8 +509,11 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
 
 
 def serialize_plan(plan: Plan) -> bytes:
-    """The finalised plan of ``plan`` in cuDNN's binary format (34-98 KB for norm graphs)."""
-    return bytes(plan.graph.serialize(as_bytes=True))
+    """The finalised plan of ``plan`` in cuDNN's binary format (34-98 KB for norm graphs),
+    made once per plan."""
+    if plan.blob is None:
+        plan.blob = bytes(plan.graph.serialize(as_bytes=True))
+    return plan.blob
 
 
 def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized") -> Plan:
@@ -521,4 +528,4 @@ def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized
         workspace = int(g.get_workspace_size())
     uids = tuple(UIDS[r] for r in roles(spec))
     return Plan(spec, g, uids, workspace, plan_name, time.perf_counter() - start, source="store", ordered=False,
-                raw=RawExecute.for_graph(g, uids))
+                raw=RawExecute.for_graph(g, uids), blob=bytes(blob))

@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from . import _cache, _graphs, _lru, _policy, _runtime, _settings
+from . import _cache, _entry, _graphs, _lru, _policy, _runtime, _settings
 from ._cache import CacheInfo
 from ._version import __version__
 
@@ -21,8 +21,15 @@ def cache_info() -> CacheInfo:
     loaded from the on-disk store, specs cuDNN declined, evictions, size and capacity; and
     ``caches``, the size/capacity/hits/misses/evictions of every cache of the package by
     name (plans, call-signature memos, row-count history, constant vectors, host scalars,
-    kernel caches)."""
-    return _cache.plans.info()
+    kernel caches). ``hits`` includes the calls the native launch path served from its
+    table of resolved call signatures (``caches["native"]``: its calls served, signatures
+    resolved, recipes and plans held)."""
+    info = _cache.plans.info()
+    counters = _entry.counters() if _entry.counters is not None else {}
+    if counters:
+        info.hits += counters["hits"]
+        info.caches["native"] = counters
+    return info
 
 
 def clear_cache() -> None:
@@ -71,6 +78,13 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     return _path(reason)
 
 
+def _native_status() -> str:
+    """The native launch path's state (cudnorm._native.status)."""
+    if not torch.cuda.is_available() and _settings.current.native != "off":
+        return "not used (no CUDA device)"
+    return _entry.status()["state"] if _entry.status is not None else "not available (cudnorm._native not imported)"
+
+
 def _path(reason: str | None) -> str:
     return "cudnn" if reason is None else f"torch ({reason})"
 
@@ -94,6 +108,7 @@ def info() -> dict:
         "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else None,
     }
     out["plan_launch"] = _graphs.RawExecute.mode() if status.available else "none (cuDNN not available)"
+    out["native"] = _native_status()
     out["paths"] = {op: serving_path(op) for op in OPS}
     out["config"] = dataclasses.asdict(_settings.current)
     return out

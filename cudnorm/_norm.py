@@ -192,6 +192,7 @@ class Implementation(NamedTuple):
     fake_backward: Callable  # backward's shapes and dtypes, for tracing
     setup_context: Callable  # (ctx, inputs, output) with inputs in the implementation's order
     make_backward: Callable  # (backward_fn) -> autograd backward(ctx, dy) of the 6 inputs
+    differentiable_backward: Callable  # (dy, x, weight, eps, offset) -> (dx, dweight, dbias or None), as graphs
 
 
 def implement(op: NormOp) -> Implementation:
@@ -369,7 +370,8 @@ def implement(op: NormOp) -> Implementation:
         db = dy.float().sum(0).to(_dispatch.backward_scale_dtype(weight)) if centred else None
         return dx, dw, db
 
-    return Implementation(forward, infer, backward, fake_forward, fake_backward, setup_context, make_backward)
+    return Implementation(forward, infer, backward, fake_forward, fake_backward, setup_context, make_backward,
+                          differentiable_backward)
 
 
 def define_ops(op: NormOp, impl: Implementation, forward_schema: str, backward_schema: str):

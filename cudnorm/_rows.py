@@ -81,12 +81,23 @@ def plan_or_chunks(spec: NormSpec):
     return _resolve(spec)
 
 
+_reset_listeners: list = []
+
+
 def reset() -> None:
     """Forget which row counts got exact graphs and how often counts were seen, and the
     chunked plans made so far."""
     with _lock:
         _exact_rows.clear()
         _memo.clear()
+    for listener in _reset_listeners:
+        listener()
+
+
+def on_reset(listener) -> None:
+    """Call ``listener()`` after each :func:`reset` (for holders of what the row policy decided:
+    the native path's recipes)."""
+    _reset_listeners.append(listener)
 
 
 def family(spec: NormSpec) -> NormSpec:

@@ -76,6 +76,13 @@ class Config:
             used entries are removed first). [``CUDNORM_PLAN_STORE_MAX_MB``]
         disable_cudnn: the kill switch: ``True`` runs PyTorch's kernels everywhere.
             [``CUDNORM_DISABLE_CUDNN``: ``1``/``0`` and synonyms]
+        native: ``"auto"``: calls on CUDA tensors go through the native launch path
+            (``cudnorm/csrc``, built once per machine at the first CUDA call or by ``cudnorm
+            build``), falling back to the Python launch path with one warning when it cannot
+            be built; ``"off"``: always the Python launch path. [``CUDNORM_NATIVE``]
+        native_dir: where the native launch path is built and cached; ``None``:
+            ``$XDG_CACHE_HOME/cudnorm/native``, else ``~/.cache/cudnorm/native``.
+            [``CUDNORM_NATIVE_DIR``]
     """
 
     # defaults taken from a measurement (and bounds that were not): docs/performance.md, Decisions
@@ -93,6 +100,8 @@ class Config:
     plan_store_dir: str | None = None
     plan_store_max_mb: float = 512
     disable_cudnn: bool = False
+    native: Literal["auto", "off"] = "auto"
+    native_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in OPTIONS:
@@ -193,6 +202,8 @@ OPTIONS: dict[str, _Option] = {
     "plan_store_dir": _Option("CUDNORM_PLAN_STORE_DIR", "a path (str or os.PathLike) or None", _directory),
     "plan_store_max_mb": _Option("CUDNORM_PLAN_STORE_MAX_MB", "a finite number >= 0", _megabytes, parse=float),
     "disable_cudnn": _Option("CUDNORM_DISABLE_CUDNN", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
+    "native": _Option("CUDNORM_NATIVE", _names(("auto", "off")), _choice("auto", "off"), parse=str.lower),
+    "native_dir": _Option("CUDNORM_NATIVE_DIR", "a path (str or os.PathLike) or None", _directory),
 }
 
 

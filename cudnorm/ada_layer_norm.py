@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ada_strategies as strategies
-from . import _cache, _call_plans, _checks, _dispatch, _ops, _policy, _runtime
+from . import _cache, _call_plans, _checks, _dispatch, _entry, _ops, _policy, _runtime
 
 _OP = "ada_layer_norm"
 _F32 = torch.float32
@@ -269,6 +269,20 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         calls and calls traced by ``torch.compile`` run PyTorch's ops instead
         (:mod:`cudnorm._policy`).
     """
+    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+        try:
+            return _entry.ada_layer_norm(input, scale, shift, eps, one_plus_scale)
+        except (TypeError, RuntimeError):  # the op's schema refused an argument: cudnorm's error names it
+            _check_call(input, scale, shift, eps, one_plus_scale)
+            raise
+    if _entry.pending and _entry.try_native(input):
+        return ada_layer_norm(input, scale, shift, eps, one_plus_scale)
+    return python_ada_layer_norm(input, scale, shift, eps, one_plus_scale)
+
+
+def python_ada_layer_norm(input, scale, shift, eps, one_plus_scale):
+    """:func:`ada_layer_norm` in Python: the path without the native launch path, and the one
+    the native entry point hands back every call it does not serve itself."""
     eps = _check_call(input, scale, shift, eps, one_plus_scale)
     if input.dtype is _F32 and (scale.dtype is not _F32 or shift.dtype is not _F32):
         scale, shift = scale.float(), shift.float()  # half-precision modulation of fp32 x: promoted

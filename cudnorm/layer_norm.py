@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _fused_add, _norm, _ops, _policy
+from . import _checks, _entry, _fused_add, _norm, _ops, _policy
 
 _OP = _norm.LAYER_NORM.name
 _IMPL = _norm.implement(_norm.LAYER_NORM)
@@ -57,6 +57,25 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     With bf16/fp16 ``input`` and fp32 ``weight``/``bias`` the forward rounds the parameters
     to ``input.dtype`` (what ``torch.autocast`` does) while gradients stay fp32-accurate.
     """
+    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+        shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        try:
+            if residual is None:
+                return _entry.layer_norm(input, shape, weight, bias, eps)
+            return _entry.add_layer_norm(input, residual, shape, weight, bias, eps)
+        except (TypeError, RuntimeError):  # the op's schema refused an argument: cudnorm's error names it
+            _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+            if residual is not None:
+                _checks.check_residual(_OP, residual, input)
+            raise
+    if _entry.pending and _entry.try_native(input):
+        return layer_norm(input, normalized_shape, weight, bias, eps, residual=residual)
+    return python_layer_norm(input, normalized_shape, weight, bias, eps, residual)
+
+
+def python_layer_norm(input, normalized_shape, weight, bias, eps, residual=None):
+    """:func:`layer_norm` in Python: the path without the native launch path, and the one the
+    native entry point hands back every call it does not serve itself."""
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
     if residual is not None:
         _checks.check_residual(_OP, residual, input)

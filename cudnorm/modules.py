@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _policy
+from . import _entry, _policy
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -32,6 +32,8 @@ class LayerNorm(torch.nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         weight, bias = self.weight, self.bias
+        if _entry.native:  # the native entry point applies the same policy in C++
+            return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
         if _policy.torch_serves(input, weight, bias):
             # PyTorch's op, as nn.LayerNorm runs it (its checks, its errors), minus F.layer_norm's
             # Python wrapper: small models' steps are host-bound
@@ -46,6 +48,8 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         weight = self.weight
+        if _entry.native:
+            return rms_norm(input, self.normalized_shape, weight, self.eps)
         if _policy.torch_serves(input, weight):  # PyTorch's op, as in LayerNorm.forward
             return torch.rms_norm(input, self.normalized_shape, weight, self.eps)
         return rms_norm(input, self.normalized_shape, weight, self.eps)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _fused_add, _norm, _ops, _policy
+from . import _checks, _entry, _fused_add, _norm, _ops, _policy
 
 _OP = _norm.RMS_NORM.name
 _IMPL = _norm.implement(_norm.RMS_NORM)
@@ -59,6 +59,22 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
         forward only, as in :func:`cudnorm.layer_norm`). Small calls and calls traced by
         ``torch.compile`` run PyTorch's own op instead (:mod:`cudnorm._policy`).
     """
+    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+        shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        try:
+            if residual is None:
+                return _entry.rms_norm(input, shape, weight, eps, weight_offset)
+            return _entry.add_rms_norm(input, residual, shape, weight, eps, weight_offset)
+        except (TypeError, RuntimeError):  # the op's schema refused an argument: cudnorm's error names it
+            _check_call(input, normalized_shape, weight, eps, weight_offset, residual)
+            raise
+    if _entry.pending and _entry.try_native(input):
+        return rms_norm(input, normalized_shape, weight, eps, weight_offset=weight_offset, residual=residual)
+    return python_rms_norm(input, normalized_shape, weight, eps, weight_offset, residual)
+
+
+def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -> tuple[int, float, float]:
+    """``(N, eps, weight_offset)`` of a valid call; raises cudnorm's error naming a malformed argument."""
     if eps is None:
         eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 0.0
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight}, eps)
@@ -66,6 +82,14 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
         weight_offset = _checks.check_offset(_OP, weight_offset)
     if residual is not None:
         _checks.check_residual(_OP, residual, input)
+    return n, eps, weight_offset
+
+
+def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
+    """:func:`rms_norm` in Python: the path without the native launch path, and the one the
+    native entry point hands back every call it does not serve itself."""
+    n, eps, weight_offset = _check_call(input, normalized_shape, weight, eps, weight_offset, residual)
+    if residual is not None:
         return _fused_add.call(input, residual, normalized_shape, n, weight, None, eps, True, weight_offset)
     if _policy.torch_serves(input, weight):  # small or compiled calls: PyTorch's own op
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape

@@ -156,7 +156,8 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
     results, how = host_overhead.bench(rows=64, cols=1024, ada_shape=(2, 64, 256))
     cases = {(r["op"], r["direction"], r["provider"]) for r in results}
     assert cases == {(op, d, p) for op in ("layer_norm", "rms_norm", "ada_layer_norm")
-                     for d in ("fwd-infer", "fwd-train", "bwd") for p in ("cudnorm", "cudnorm-cudnn", "torch")}
+                     for d in ("fwd-infer", "fwd-train", "bwd") for p in host_overhead.PROVIDERS}
+    assert set(host_overhead.PROVIDERS) == {"cudnorm", "cudnorm-cudnn", "cudnorm-python", "torch"}
     assert all(r["same_us"] > 0 and r["fresh_us"] > 0 for r in results) and "fresh" in how
     assert all(r["vs_torch"] == 1.0 for r in results if r["provider"] == "torch")
     stages = host_overhead.breakdown(rows=64, cols=1024, ada_shape=(2, 64, 256))

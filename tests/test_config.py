@@ -133,12 +133,14 @@ def test_environment_seeds_every_option():
            "CUDNORM_FP32_WEIGHT_FWD": "native", "CUDNORM_CACHE_SIZE": "64", "CUDNORM_EXACT_ROWS": "0",
            "CUDNORM_EXACT_AFTER": "3", "CUDNORM_ADA_FWD": "per_sample", "CUDNORM_ADA_BWD": "torch",
            "CUDNORM_RAW_EXECUTE": "off", "CUDNORM_PLAN_STORE": "no", "CUDNORM_PLAN_STORE_DIR": "~/plans",
-           "CUDNORM_PLAN_STORE_MAX_MB": "1.5", "CUDNORM_DISABLE_CUDNN": "yes"}
+           "CUDNORM_PLAN_STORE_MAX_MB": "1.5", "CUDNORM_DISABLE_CUDNN": "yes", "CUDNORM_NATIVE": "OFF",
+           "CUDNORM_NATIVE_DIR": "/opt/cudnorm"}
     assert sorted(env) == sorted(option.env for option in _settings.OPTIONS.values())
     assert _settings.from_environment(env) == cudnorm.Config(
         policy="cudnn", autotune="on", autotune_candidates="all", fp32_weight_fwd="native", cache_size=64,
         exact_rows=0, exact_after=3, ada_forward="per_sample", ada_backward="torch", raw_execute=False,
-        plan_store=False, plan_store_dir="~/plans", plan_store_max_mb=1.5, disable_cudnn=True)
+        plan_store=False, plan_store_dir="~/plans", plan_store_max_mb=1.5, disable_cudnn=True, native="off",
+        native_dir="/opt/cudnorm")
     assert _settings.from_environment({}) == cudnorm.Config()
     assert _settings.from_environment({"CUDNORM_CACHE_SIZE": "", "CUDNORM_DISABLE_CUDNN": " "}) == cudnorm.Config()
     assert _settings.from_environment({"CUDNORM_AUTOTUNE": "never"}).autotune == "off"
@@ -158,6 +160,7 @@ def test_environment_seeds_every_option():
     ("CUDNORM_PLAN_STORE_MAX_MB", "inf", "a finite number >= 0", "512"),
     ("CUDNORM_PLAN_STORE_MAX_MB", "-1", "a finite number >= 0", "512"),
     ("CUDNORM_DISABLE_CUDNN", "maybe", "1, true, yes, on or 0, false, no, off", "False"),
+    ("CUDNORM_NATIVE", "on", "'auto' or 'off'", "'auto'"),
 ])
 def test_malformed_variable_warns_and_keeps_the_default(variable, value, allowed, default):
     message = f"cudnorm: ignoring {variable}={value!r}: it must be {allowed}; using the default, {default}"

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_lru", "_ops", "_progress", "_settings", "_spec", "_version", "reference"),  # no package imports
+    ("_entry", "_lru", "_ops", "_progress", "_settings", "_spec", "_version", "reference"),  # no package imports
     ("_policy", "_recording", "_runtime"),
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
@@ -23,7 +23,7 @@ LAYERS = [
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add
     ("ada_layer_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
-    ("_info", "_sharding", "modules", "warmup"),
+    ("_info", "_native", "_sharding", "modules", "warmup"),
     ("diffusers",),
     ("patching",),
     ("__init__",),  # the package

@@ -32,8 +32,9 @@ SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS 
 HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
        "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
        "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
-       "fresh = a forward graph per call. cudnorm = the default policy (PyTorch's op below 2**24 elements, "
-       "cudnorm._policy); cudnorm-cudnn = every call on cuDNN (policy='cudnn'); torch = PyTorch's own op "
+       "fresh = a forward graph per call. cudnorm = the default policy (cudnorm._policy); cudnorm-cudnn = every "
+       "call on cuDNN (policy='cudnn'), through the native launch path when it is active; cudnorm-python = the "
+       "same on the Python launch path (native='off'); torch = PyTorch's own op "
        "(F.layer_norm, F.rms_norm, and the eager AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + "
        "shift[:, None]`). Shapes: LN/RMS {rows}x{cols} bf16 with bf16 weights; AdaLN {ada} bf16 with "
        "scale/shift chunks of one [B, 6D] tensor (DiT).")
@@ -56,7 +57,7 @@ def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | No
 
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
-PROVIDERS = ("cudnorm", "cudnorm-cudnn", "torch")
+PROVIDERS = ("cudnorm", "cudnorm-cudnn", "cudnorm-python", "torch")
 
 
 def _dit_formula(x, scale, shift):
@@ -87,7 +88,7 @@ def _ops(rows: int, cols: int, ada_shape: tuple[int, int, int]):
         return cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)
 
     ops = []
-    for mine in PROVIDERS[:-1]:  # cudnorm (default policy), cudnorm-cudnn (every call on cuDNN)
+    for mine in PROVIDERS[:-1]:  # cudnorm (default policy), cudnorm-cudnn / -python (every call on cuDNN)
         ops += [("layer_norm", mine, rows_input, lambda x: cudnorm.layer_norm(x, (cols,), w, b)),
                 ("rms_norm", mine, rows_input, lambda x: cudnorm.rms_norm(x, (cols,), w, 1e-6)),
                 ("ada_layer_norm", mine, ada_input, ada)]
@@ -169,8 +170,10 @@ def table(results: list[dict]) -> list[list[str]]:
 
 
 BREAKDOWN_HOW = ("Host us of each stage of cudnorm's path timed alone, as host_overhead does (same tensors, GPU "
-                 "held busy), beside the whole call and PyTorch's own; the stages are not additive to the "
-                 "microsecond (each is timed with its own Python call around it).")
+                 "held busy), beside the whole call (native launch path and Python launch path) and PyTorch's own; "
+                 "the stages are not additive to the microsecond (each is timed with its own Python call around "
+                 "it). 'cuDNN execute, C++ loop' is the plan's execute alone, back to back in C++: the floor of any "
+                 "launch path.")
 
 
 def breakdown(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)) -> list[dict]:
@@ -186,7 +189,8 @@ def _breakdown(rows, cols, ada_shape):
 
     import cudnorm  # noqa: PLC0415
     from .. import _ada_strategies as strategies  # noqa: PLC0415
-    from .. import _call_plans, _checks, _dispatch, _graphs, _runtime  # noqa: PLC0415
+    from .. import _call_plans, _checks, _dispatch, _graphs, _native, _runtime  # noqa: PLC0415
+    from .. import _settings as settings  # noqa: PLC0415
 
     # the modules, not the package's functions of the same names
     ada = importlib.import_module("cudnorm.ada_layer_norm")
@@ -206,7 +210,9 @@ def _breakdown(rows, cols, ada_shape):
     pointers = [xd.data_ptr(), w.data_ptr(), b.data_ptr(), _graphs.eps_scalar(1e-5)[1], out.data_ptr(), stats.data_ptr(),
                 stats.data_ptr() + 4 * stats.shape[1]]
     state, workspace = _runtime.launch_context(0, plan.workspace_size)
-    saved = y.grad_fn.saved_tensors
+    with settings.config(native="off"):  # the Python path's autograd node exposes what it saved
+        python_y = cudnorm.layer_norm(x, (cols,), w, b)
+    python_saved = python_y.grad_fn.saved_tensors
     stages = [
         ("layer_norm fwd-train", "argument checks", lambda: _checks.norm_call("layer_norm", x, (cols,), params, 1e-5)),
         ("layer_norm fwd-train", "plan lookup (signature memo)",
@@ -221,7 +227,7 @@ def _breakdown(rows, cols, ada_shape):
          lambda: ln._forward(xd, w.detach(), b.detach(), 1e-5, True)),
         ("layer_norm fwd-train", "whole call (autograd node included)", lambda: cudnorm.layer_norm(x, (cols,), w, b)),
         ("layer_norm fwd-train", "torch F.layer_norm", lambda: F.layer_norm(x, (cols,), w, b)),
-        ("layer_norm bwd", "implementation (_backward_impl)", lambda: ln._backward_impl(dy, *saved)),
+        ("layer_norm bwd", "implementation (_backward_impl)", lambda: ln._backward_impl(dy, *python_saved)),
         ("layer_norm bwd", "whole backward (autograd engine)",
          lambda: torch.autograd.backward(y, dy, retain_graph=True)),
     ]
@@ -232,7 +238,9 @@ def _breakdown(rows, cols, ada_shape):
     ya = cudnorm.ada_layer_norm(xa, scale, shift, 1e-6, one_plus_scale=True)
     dya = torch.randn_like(ya)
     xs, ss, hs = xa.detach(), scale.detach(), shift.detach()
-    asaved = ya.grad_fn.saved_tensors
+    with settings.config(native="off"):
+        python_ya = cudnorm.ada_layer_norm(xa, scale, shift, 1e-6, one_plus_scale=True)
+    asaved = python_ya.grad_fn.saved_tensors
     stages += [
         ("ada_layer_norm fwd-train", "1 + scale and packed shift (one foreach kernel)",
          lambda: strategies.modulation(ss, hs, True, bf16)),
@@ -252,4 +260,13 @@ def _breakdown(rows, cols, ada_shape):
     for call, stage, fn in stages:
         fn()
         results.append({"call": call, "stage": stage, "us": host_us(fn)})
+        if stage.startswith("whole call"):  # the same forward on the Python launch path
+            with settings.config(native="off"):
+                fn()
+                results.append({"call": call, "stage": stage + ", Python launch path", "us": host_us(fn)})
+    if _native.status()["active"]:
+        _, backward_plan = _call_plans.rows_plan("layer_norm", "bwd", xd, bf16)
+        for call, timed in (("layer_norm fwd-train", plan), ("layer_norm bwd", backward_plan)):
+            results.append({"call": call, "stage": "cuDNN execute, C++ loop (the floor)",
+                            "us": _native.execute_floor_us(timed)})
     return results

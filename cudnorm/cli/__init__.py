@@ -5,6 +5,7 @@
     cudnorm bench [--quick]      speed vs peers (table, CSV, PNG)
     cudnorm warmup SPEC|--preset build the graphs a job needs ahead of time
     cudnorm cache info|clear     the on-disk plan store
+    cudnorm build                compile the native launch path ahead of the first CUDA call
 
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> int``: it
 parses, calls the library, prints and picks the exit status. The library never imports
@@ -17,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import bench, cache, check, info, warmup
+from . import bench, build, cache, check, info, warmup
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "bench": (bench, "benchmark cudnorm against its peers"),
     "warmup": (warmup, "build (and store) the graphs a job needs, ahead of the job"),
     "cache": (cache, "inspect or clear the on-disk plan store"),
+    "build": (build, "compile the native launch path ahead of the first CUDA call"),
 }
 
 

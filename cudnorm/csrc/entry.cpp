@@ -1,0 +1,241 @@
+// The public entry points on the native path: cudnorm.layer_norm, rms_norm (with or without
+// a fused residual add) and ada_layer_norm hand their arguments here first. The common call
+// (plain CUDA tensors, well-formed arguments) is served in C++: the kernel policy, the
+// flattening to [M, N] rows, the autograd node and the launch. Anything else (CPU, DTensor,
+// fake or functional tensors under torch.compile, float64, empty inputs, a malformed argument
+// whose error message cudnorm's checks word) goes to the Python implementation
+// (cudnorm._native), which handles every case the same way as without the native path.
+#include "native.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <limits>
+
+namespace cudnorm {
+
+namespace {
+
+bool defined(const OptTensor& t) { return t.has_value() && t->defined(); }
+bool requires_grad(const OptTensor& t) { return defined(t) && t->requires_grad(); }
+
+bool supported_dtype(at::ScalarType dtype) {
+  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat;
+}
+
+// A tensor the native path serves: plain, on a CUDA device cuDNN's norm engines support,
+// non-empty, of a dtype cuDNN normalizes, with the native path enabled and no Python dispatch
+// mode or functorch transform active (those see cudnorm's ops through the Python path).
+bool served(const Tensor& input) {
+  return settings().enabled && input.defined() && is_plain(input) && supported_dtype(input.scalar_type()) &&
+         input.numel() > 0 && device_supported(input.get_device()) && no_dispatch_modes();
+}
+
+bool concrete(c10::SymIntArrayRef shape, std::vector<int64_t>& out) {
+  for (const auto& size : shape) {
+    auto value = size.maybe_as_int();
+    if (!value.has_value()) return false;
+    out.push_back(*value);
+  }
+  return !out.empty();
+}
+
+bool good_eps(double eps) { return std::isfinite(eps) && eps >= 0.0; }
+
+// cudnorm._checks.norm_call's fast branch: normalized_shape the trailing dims of input, each
+// weight-like tensor plain, of that shape, of input's dtype or fp32, on input's device.
+bool norm_args(const Tensor& input, const std::vector<int64_t>& shape, std::initializer_list<const OptTensor*> params,
+               double eps, int64_t* n) {
+  const int64_t dims = static_cast<int64_t>(shape.size());
+  if (dims > input.dim() || !good_eps(eps)) return false;
+  int64_t count = 1;
+  for (int64_t i = 0; i < dims; ++i) {
+    if (input.size(input.dim() - dims + i) != shape[i]) return false;
+    count *= shape[i];
+  }
+  for (const OptTensor* p : params) {
+    if (!defined(*p)) continue;
+    const Tensor& t = **p;
+    if (!is_plain(t) || t.sizes() != at::IntArrayRef(shape) || t.get_device() != input.get_device() ||
+        (t.scalar_type() != input.scalar_type() && t.scalar_type() != at::kFloat)) {
+      return false;
+    }
+  }
+  *n = count;
+  return true;
+}
+
+bool same_as_input(const Tensor& input, const Tensor& other) {
+  return is_plain(other) && other.sizes() == input.sizes() && other.scalar_type() == input.scalar_type() &&
+         other.get_device() == input.get_device();
+}
+
+// cudnorm._policy.torch_serves for a served call: policy "auto", weights of the input's
+// dtype and fewer than Config's threshold of elements run PyTorch's own op.
+bool torch_serves(const Tensor& input, std::initializer_list<const OptTensor*> params) {
+  const Settings& s = settings();
+  if (!s.policy_auto) return false;
+  for (const OptTensor* p : params) {
+    if (defined(*p) && (*p)->scalar_type() != input.scalar_type()) return false;
+  }
+  return input.numel() < s.cudnn_min_elements;
+}
+
+double default_rms_eps(at::ScalarType dtype) {  // torch.finfo(dtype).eps, as torch.nn.RMSNorm
+  switch (dtype) {
+    case at::kHalf: return 0.0009765625;
+    case at::kBFloat16: return 0.0078125;
+    default: return static_cast<double>(std::numeric_limits<float>::epsilon());
+  }
+}
+
+// Gemma's RMSNorm as its model code writes it (cudnorm._norm.gemma_rms_norm)
+Tensor gemma_rms_norm(const Tensor& x, at::IntArrayRef shape, const OptTensor& weight, double eps, double offset) {
+  Tensor y = at::rms_norm(x.to(at::kFloat), shape, std::nullopt, eps);
+  Tensor scaled = defined(weight) ? y * (weight->to(at::kFloat) + offset) : y * (1.0 + offset);
+  return scaled.to(x.scalar_type());
+}
+
+OptTensor flat_param(const OptTensor& p, bool flat, int64_t n) {
+  return flat || !defined(p) ? p : OptTensor(p->reshape({n}));
+}
+
+std::vector<double> rms_scalars(const std::optional<double>& eps, double offset) {
+  return {eps.has_value() ? 1.0 : 0.0, eps.value_or(0.0), offset};
+}
+
+}  // namespace
+
+Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                        const OptTensor& bias, double eps) {
+  std::vector<int64_t> shape;
+  int64_t n = 0;
+  if (!served(input) || !concrete(normalized_shape, shape) || !norm_args(input, shape, {&weight, &bias}, eps, &n)) {
+    return composite_py("layer_norm", {input, weight, bias}, {eps}, normalized_shape)[0];
+  }
+  if (torch_serves(input, {&weight, &bias})) return at::layer_norm(input, shape, weight, bias, eps);
+  const bool flat = input.dim() == 2 && input.size(1) == n;
+  const Tensor x = flat ? input : input.reshape({-1, n});
+  const OptTensor w = flat_param(weight, flat, n), b = flat_param(bias, flat, n);
+  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(w) || requires_grad(b));
+  Tensor y = layer_norm_train(x, w, b, eps, training);
+  return flat ? y : y.view(input.sizes());
+}
+
+Tensor rms_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                      std::optional<double> eps, double weight_offset) {
+  std::vector<int64_t> shape;
+  int64_t n = 0;
+  const double e = input.defined() && eps.has_value() ? *eps : (input.defined() ? default_rms_eps(input.scalar_type()) : 0.0);
+  if (!served(input) || !std::isfinite(weight_offset) || !concrete(normalized_shape, shape) ||
+      !norm_args(input, shape, {&weight}, e, &n)) {
+    return composite_py("rms_norm", {input, weight}, rms_scalars(eps, weight_offset), normalized_shape)[0];
+  }
+  if (torch_serves(input, {&weight})) {
+    return weight_offset != 0.0 ? gemma_rms_norm(input, shape, weight, e, weight_offset)
+                                : at::rms_norm(input, shape, weight, e);
+  }
+  const bool flat = input.dim() == 2 && input.size(1) == n;
+  const Tensor x = flat ? input : input.reshape({-1, n});
+  const OptTensor w = flat_param(weight, flat, n);
+  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(w));
+  Tensor y = rms_norm_train(x, w, e, training, weight_offset);
+  return flat ? y : y.view(input.sizes());
+}
+
+std::tuple<Tensor, Tensor> add_layer_norm_entry(const Tensor& input, const Tensor& residual,
+                                                c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                                const OptTensor& bias, double eps) {
+  std::vector<int64_t> shape;
+  int64_t n = 0;
+  if (!served(input) || !residual.defined() || !same_as_input(input, residual) || !concrete(normalized_shape, shape) ||
+      !norm_args(input, shape, {&weight, &bias}, eps, &n)) {
+    auto out = composite_py("add_layer_norm", {input, residual, weight, bias}, {eps}, normalized_shape);
+    return {out[0], out[1]};
+  }
+  if (torch_serves(input, {&weight, &bias})) {  // cudnorm._fused_add.reference: Inductor-style unfused math
+    Tensor h = input + residual;
+    return {at::layer_norm(h, shape, weight, bias, eps), h};
+  }
+  const bool flat = input.dim() == 2 && input.size(1) == n;
+  const Tensor x = flat ? input : input.reshape({-1, n}), r = flat ? residual : residual.reshape({-1, n});
+  const OptTensor w = flat_param(weight, flat, n), b = flat_param(bias, flat, n);
+  const bool training = at::GradMode::is_enabled() &&
+                        (input.requires_grad() || residual.requires_grad() || requires_grad(w) || requires_grad(b));
+  auto [y, h] = add_norm_train(x, r, w, b, eps, training, false, 0.0);
+  return flat ? std::make_tuple(y, h) : std::make_tuple(y.view(input.sizes()), h.view(input.sizes()));
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor& residual,
+                                              c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                              std::optional<double> eps, double weight_offset) {
+  std::vector<int64_t> shape;
+  int64_t n = 0;
+  const double e = input.defined() && eps.has_value() ? *eps : (input.defined() ? default_rms_eps(input.scalar_type()) : 0.0);
+  if (!served(input) || !residual.defined() || !same_as_input(input, residual) || !std::isfinite(weight_offset) ||
+      !concrete(normalized_shape, shape) || !norm_args(input, shape, {&weight}, e, &n)) {
+    auto out = composite_py("add_rms_norm", {input, residual, weight}, rms_scalars(eps, weight_offset),
+                            normalized_shape);
+    return {out[0], out[1]};
+  }
+  if (torch_serves(input, {&weight})) {
+    Tensor h = input + residual;
+    return {weight_offset != 0.0 ? gemma_rms_norm(h, shape, weight, e, weight_offset)
+                                 : at::rms_norm(h, shape, weight, e),
+            h};
+  }
+  const bool flat = input.dim() == 2 && input.size(1) == n;
+  const Tensor x = flat ? input : input.reshape({-1, n}), r = flat ? residual : residual.reshape({-1, n});
+  const OptTensor w = flat_param(weight, flat, n);
+  const bool training = at::GradMode::is_enabled() &&
+                        (input.requires_grad() || residual.requires_grad() || requires_grad(w));
+  auto [y, h] = add_norm_train(x, r, w, std::nullopt, e, training, true, weight_offset);
+  return flat ? std::make_tuple(y, h) : std::make_tuple(y.view(input.sizes()), h.view(input.sizes()));
+}
+
+Tensor ada_layer_norm_entry(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                            bool one_plus_scale) {
+  // cudnorm.ada_layer_norm._check_call's fast branch: [B, *, D] input, scale/shift [B, 1.., D]
+  // of input's dtype or fp32 on its device
+  bool ok = served(input) && input.dim() >= 2 && good_eps(eps);
+  const int64_t b = ok ? input.size(0) : 0, d = ok ? input.size(-1) : 0;
+  for (const Tensor* p : {&scale, &shift}) {
+    ok = ok && p->defined() && is_plain(*p) && p->dim() >= 2 && p->size(0) == b && p->size(-1) == d &&
+         p->numel() == b * d && p->get_device() == input.get_device() &&
+         (p->scalar_type() == input.scalar_type() || p->scalar_type() == at::kFloat);
+  }
+  if (!ok) {
+    return composite_py("ada_layer_norm", {input, scale, shift}, {eps, double(one_plus_scale)})[0];
+  }
+  if (settings().policy_auto && scale.scalar_type() == input.scalar_type() &&
+      shift.scalar_type() == input.scalar_type() && input.numel() < settings().cudnn_min_elements) {
+    // PyTorch's ops (cudnorm.ada_layer_norm._torch_ops): the LayerNorm, the gain, the modulation
+    Tensor sc = scale, sh = shift;
+    if (sc.dim() == 2 && input.dim() == 3) {
+      sc = sc.unsqueeze(1);
+      sh = sh.unsqueeze(1);
+    } else if (sc.dim() != input.dim()) {
+      std::vector<int64_t> view(input.dim(), 1);
+      view.front() = b;
+      view.back() = d;
+      sc = sc.reshape(view);
+      sh = sh.reshape(view);
+    }
+    Tensor xhat = at::layer_norm(input, {d}, std::nullopt, std::nullopt, eps);
+    Tensor gain = one_plus_scale ? sc + 1 : sc;
+    if (at::GradMode::is_enabled() && (input.requires_grad() || scale.requires_grad() || shift.requires_grad())) {
+      return xhat * gain + sh;
+    }
+    return at::addcmul(sh, xhat, gain);
+  }
+  const bool flat = input.dim() == 3;
+  const Tensor x = flat ? input : input.reshape({b, -1, d});
+  const Tensor sc = scale.dim() == 2 ? scale : scale.reshape({b, d});
+  const Tensor sh = shift.dim() == 2 ? shift : shift.reshape({b, d});
+  const bool training = at::GradMode::is_enabled() &&
+                        (input.requires_grad() || scale.requires_grad() || shift.requires_grad());
+  Tensor y = ada_layer_norm_train(x, sc, sh, eps, one_plus_scale, training);
+  return flat ? y : y.view(input.sizes());
+}
+
+}  // namespace cudnorm

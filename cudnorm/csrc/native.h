@@ -1,0 +1,196 @@
+// cudnorm's native launch path: what its translation units share.
+//
+// One job: launch built cuDNN plans fast. Python describes, builds, tunes and stores the
+// graphs and decides which plans serve a call (cudnorm._native); this code keeps what
+// Python resolved for each call signature (a Recipe), and per call checks the arguments,
+// allocates the outputs, fills the variant pack and executes, with the autograd of the ops.
+//
+//   plans.cpp     the plan table (deserialized cuDNN-frontend graphs), per-thread handles,
+//                 execute: the only file that includes the cuDNN frontend
+//   recipes.cpp   call signatures -> recipes, the configuration Python pushes, the calls
+//                 into Python (resolving a new signature, the PyTorch fallbacks)
+//   launch.cpp    pointer slots, single / chunked / per-sample launches
+//   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
+//   ada.cpp       adaptive LayerNorm forward and backward
+//   autograd.cpp  the autograd nodes of the forward ops
+//   entry.cpp     the public entry points (argument checks, kernel policy, flattening)
+//   register.cpp  every registration with the dispatcher
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cudnorm {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// ---------------------------------------------------------------- plans (plans.cpp)
+struct Plan;  // a deserialized cuDNN-frontend graph with its workspace size and device
+using PlanRef = std::shared_ptr<const Plan>;
+
+// Deserialize `blob` (uint8 CPU tensor from the frontend's serialize()) on `device`; `slots`
+// is the number of caller-filled variant-pack slots. Returns the plan's id.
+int64_t add_plan(const Tensor& blob, int64_t device, int64_t slots);
+void drop_plan(int64_t id);
+int64_t plan_count();
+PlanRef find_plan(int64_t id);
+int64_t workspace_bytes(const Plan& plan);
+// Execute `plan` on torch's current stream with `ptrs` in variant-pack (ascending uid) order.
+void execute(const Plan& plan, void* const* ptrs, int64_t count, void* workspace);
+// Host microseconds per execute of `plan` over `reps` back-to-back launches (no sync): the
+// floor of any launch path, measured in C++.
+double execute_floor_us(int64_t id, const std::vector<int64_t>& ptrs, int64_t reps);
+
+// ---------------------------------------------------------------- recipes (recipes.cpp)
+enum class Kind : int64_t { NormForward = 0, NormBackward = 1, AdaForward = 2, AdaBackward = 3 };
+
+// How a call signature is served. Python (cudnorm._native.resolve) decides; C++ executes.
+enum class Mode : int64_t {
+  Single = 0,     // one launch of plans[0]
+  Chunked = 1,    // launches of chunk plans over row offsets (cudnorm._rows)
+  PerSample = 2,  // plans[0] launched once per AdaLN sample
+  Aten = 3,       // PyTorch's fused kernel (LayerNorm / RMSNorm forward)
+  Python = 4,     // cudnorm's Python implementation (cases no plan serves)
+};
+
+struct Launch {
+  PlanRef plan;
+  int64_t start = 0;  // first row (Chunked)
+  int64_t rows = 0;   // rows of the chunk (Chunked)
+};
+
+struct Recipe {
+  Mode mode = Mode::Python;
+  at::ScalarType param_dtype = at::kFloat;  // forward: the dtype the graph reads scale/bias (gain/shift) in
+  bool fused_add = false;                   // NormForward with a residual: the add runs inside the graph
+  int64_t overlap = 0;                      // Chunked: rows of launches[0] that later launches rewrite
+  std::vector<Launch> launches;
+};
+using RecipeRef = std::shared_ptr<const Recipe>;
+
+// The recipe of a call: from the table, else resolved by Python (which may build plans).
+// `ints`/`floats` describe the call beyond x's shape, strides, dtype and device.
+RecipeRef recipe_for(Kind kind, const Tensor& x, const std::vector<int64_t>& ints,
+                     const std::vector<double>& floats);
+void clear_recipes();
+std::vector<int64_t> counters();  // hits, misses (resolved by Python), recipes held, plans held
+
+struct Settings {
+  bool enabled = false;            // the native path serves (Python pushed a configuration)
+  bool policy_auto = true;         // Config.policy == "auto"
+  int64_t cudnn_min_elements = 0;  // policy "auto": same-dtype eager calls below this run PyTorch's op
+};
+const Settings& settings();
+void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements);
+
+// cudnorm's Python implementation of an op or an entry point (cudnorm._native): the fallbacks.
+// kernel_py runs below autograd (CompositeExplicitAutograd), composite_py above it
+// (CompositeImplicitAutograd: PyTorch's autograd records what it computes).
+std::vector<Tensor> kernel_py(const std::string& name, const std::vector<OptTensor>& tensors,
+                              const std::vector<double>& scalars);
+std::vector<Tensor> composite_py(const std::string& name, const std::vector<OptTensor>& tensors,
+                                 const std::vector<double>& scalars, c10::SymIntArrayRef shape = {});
+
+// ---------------------------------------------------------------- launching (launch.cpp)
+// One variant-pack slot: where the buffer starts and how it moves with a row offset.
+struct Slot {
+  enum Role : uint8_t { Fixed, Rows, Stats, Dy, Sum };
+  uintptr_t base = 0;
+  int64_t row_bytes = 0;  // bytes per row (Rows, Stats, Dy)
+  Role role = Fixed;
+  Tensor rows;            // Stats: the [M] fp32 view; Dy: dy [M, N]; Sum: the [N] output
+};
+
+void launch_single(const Recipe& recipe, const std::vector<Slot>& slots);
+void launch_chunked(const Recipe& recipe, const std::vector<Slot>& slots, int64_t cols);
+// plans[0] launched `count` times, launch k on `slot.base + k * slot.row_bytes` of every slot
+void launch_per_sample(const Recipe& recipe, const std::vector<Slot>& slots, int64_t count);
+
+// ---------------------------------------------------------------- helpers (launch.cpp)
+Tensor cudnn_rows(const Tensor& x);                  // [M, N] in a layout cuDNN reads (copy if needed)
+Tensor packed(const Tensor& t);                      // contiguous, 16-byte aligned (copy if needed)
+bool is_packed(const Tensor& t);
+Tensor constant(double value, int64_t n, at::ScalarType dtype, const at::Device& device);
+Tensor stats_buffer(int64_t rows, int64_t count, const at::Device& device);  // fp32 [count, ceil4(rows)]
+bool is_plain(const Tensor& t);                      // a dense CUDA tensor: no subclass, functionalization, ...
+bool is_plain(const OptTensor& t);
+bool no_dispatch_modes();                            // no Python dispatch mode or functorch transform active
+int64_t dtype_code(const OptTensor& t);              // the ScalarType's number, -1 for an absent tensor
+int64_t double_bits(double value);
+bool device_supported(int64_t device);               // compute capability 8.0 or newer
+
+// ---------------------------------------------------------------- ops
+// (y, h, stats) of a LayerNorm / RMSNorm forward on x [M, N] (norm.cpp); h undefined without
+// a residual, stats undefined when not training (the inference graph writes none)
+std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x, const OptTensor& residual, const OptTensor& weight,
+                                                const OptTensor& bias, double eps, bool training, bool rms,
+                                                double offset);
+// (y, stats) of an AdaLN forward on x [B, S, D] (ada.cpp); stats undefined when not training
+std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
+                                       bool one_plus_scale, bool training);
+
+// The CUDA kernels of cudnorm's custom ops (norm.cpp, ada.cpp): same schemas as cudnorm._norm,
+// cudnorm._fused_add and cudnorm.ada_layer_norm define.
+std::tuple<Tensor, Tensor> layer_norm_fwd(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                          double eps, bool training);
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight,
+                                                  const Tensor& stats);
+std::tuple<Tensor, Tensor> rms_norm_fwd(const Tensor& x, const OptTensor& weight, double eps, bool training,
+                                        double offset);
+std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& dy, const Tensor& x, const OptTensor& weight,
+                                        const Tensor& rstd, double offset);
+std::tuple<Tensor, Tensor, Tensor> add_norm_fwd(const Tensor& x, const Tensor& residual, const OptTensor& weight,
+                                                const OptTensor& bias, double eps, bool training, bool rms,
+                                                double offset);
+std::tuple<Tensor, Tensor, Tensor> add_norm_bwd(const OptTensor& dy, const OptTensor& dh, const Tensor& h,
+                                                const OptTensor& weight, const Tensor& stats, bool rms,
+                                                double offset);
+std::tuple<Tensor, Tensor> ada_layer_norm_fwd(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
+                                              bool one_plus_scale, bool training);
+std::tuple<Tensor, Tensor, Tensor> ada_layer_norm_bwd(const Tensor& dy, const Tensor& x, const Tensor& scale,
+                                                      const Tensor& stats, bool one_plus_scale,
+                                                      at::ScalarType shift_dtype);
+
+// The autograd kernels of the forward ops (autograd.cpp). `redispatch`: the keys below
+// autograd to send the forward to (a traced call: fake tensors); nullopt runs the CUDA kernel
+// above directly (plain tensors, the entry points' hot path).
+std::tuple<Tensor, Tensor> layer_norm_fwd_autograd(c10::DispatchKeySet ks, const Tensor& x, const OptTensor& weight,
+                                                   const OptTensor& bias, double eps, bool training);
+std::tuple<Tensor, Tensor> rms_norm_fwd_autograd(c10::DispatchKeySet ks, const Tensor& x, const OptTensor& weight,
+                                                 double eps, bool training, double offset);
+std::tuple<Tensor, Tensor, Tensor> add_norm_fwd_autograd(c10::DispatchKeySet ks, const Tensor& x,
+                                                         const Tensor& residual, const OptTensor& weight,
+                                                         const OptTensor& bias, double eps, bool training, bool rms,
+                                                         double offset);
+std::tuple<Tensor, Tensor> ada_layer_norm_fwd_autograd(c10::DispatchKeySet ks, const Tensor& x, const Tensor& scale,
+                                                       const Tensor& shift, double eps, bool one_plus_scale,
+                                                       bool training);
+// the same with the CUDA kernel called directly (plain tensors)
+Tensor layer_norm_train(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, bool training);
+Tensor rms_norm_train(const Tensor& x, const OptTensor& weight, double eps, bool training, double offset);
+std::tuple<Tensor, Tensor> add_norm_train(const Tensor& x, const Tensor& residual, const OptTensor& weight,
+                                          const OptTensor& bias, double eps, bool training, bool rms, double offset);
+Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
+                            bool one_plus_scale, bool training);
+
+// The public entry points (entry.cpp): cudnorm.layer_norm & co. with the native path.
+Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                        const OptTensor& bias, double eps);
+Tensor rms_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                      std::optional<double> eps, double weight_offset);
+std::tuple<Tensor, Tensor> add_layer_norm_entry(const Tensor& input, const Tensor& residual,
+                                                c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                                const OptTensor& bias, double eps);
+std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor& residual,
+                                              c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                                              std::optional<double> eps, double weight_offset);
+Tensor ada_layer_norm_entry(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
+                            bool one_plus_scale);
+
+}  // namespace cudnorm
