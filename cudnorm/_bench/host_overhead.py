@@ -32,8 +32,9 @@ SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS 
 HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
        "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
        "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
-       "fresh = a forward graph per call. cudnorm = the default policy (PyTorch's op below 2**24 elements, "
-       "cudnorm._policy); cudnorm-cudnn = every call on cuDNN (policy='cudnn'); torch = PyTorch's own op "
+       "fresh = a forward graph per call. cudnorm = the default policy (cudnorm._policy); cudnorm-cudnn = every "
+       "call on cuDNN (policy='cudnn'), through the native launch path when it is active; cudnorm-python = the "
+       "same on the Python launch path (native='off'); torch = PyTorch's own op "
        "(F.layer_norm, F.rms_norm, and the eager AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + "
        "shift[:, None]`). Shapes: LN/RMS {rows}x{cols} bf16 with bf16 weights; AdaLN {ada} bf16 with "
        "scale/shift chunks of one [B, 6D] tensor (DiT).")
@@ -56,7 +57,7 @@ def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | No
 
 
 OPS = ("layer_norm", "rms_norm", "ada_layer_norm")
-PROVIDERS = ("cudnorm", "cudnorm-cudnn", "torch")
+PROVIDERS = ("cudnorm", "cudnorm-cudnn", "cudnorm-python", "torch")
 
 
 def _dit_formula(x, scale, shift):
@@ -87,7 +88,7 @@ def _ops(rows: int, cols: int, ada_shape: tuple[int, int, int]):
         return cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)
 
     ops = []
-    for mine in PROVIDERS[:-1]:  # cudnorm (default policy), cudnorm-cudnn (every call on cuDNN)
+    for mine in PROVIDERS[:-1]:  # cudnorm (default policy), cudnorm-cudnn / -python (every call on cuDNN)
         ops += [("layer_norm", mine, rows_input, lambda x: cudnorm.layer_norm(x, (cols,), w, b)),
                 ("rms_norm", mine, rows_input, lambda x: cudnorm.rms_norm(x, (cols,), w, 1e-6)),
                 ("ada_layer_norm", mine, ada_input, ada)]

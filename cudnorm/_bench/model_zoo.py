@@ -70,22 +70,28 @@ def _cudnorm_module(name: str):
 
 def norm_provider(provider: str) -> str:
     """The norms a provider's model is built with: ``cudnorm-cudnn`` is cudnorm's modules run
-    with every call on cuDNN (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in
-    a second model, the run's noise floor (its ratio to ``torch`` is 1.00x but for noise)."""
-    return {"cudnorm-cudnn": "cudnorm", "torch-again": "torch"}.get(provider, provider)
+    with every call on cuDNN and ``cudnorm-python`` the same on the Python launch path
+    (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in a second model, the
+    run's noise floor (its ratio to ``torch`` is 1.00x but for noise)."""
+    return {"cudnorm-cudnn": "cudnorm", "cudnorm-python": "cudnorm", "torch-again": "torch"}.get(provider, provider)
+
+
+# provider -> the cudnorm.config it runs under
+PROVIDER_CONFIG = {"cudnorm-cudnn": {"policy": "cudnn"}, "cudnorm-python": {"policy": "cudnn", "native": "off"}}
 
 
 def provider_settings(provider: str):
     """A context manager for everything a provider's model runs (build, compile, steps):
-    ``cudnorm-cudnn`` sets ``cudnorm.config(policy="cudnn")``, the others change nothing. Compiled
-    blocks keep the policy of their tracing."""
+    ``cudnorm-cudnn`` sets ``cudnorm.config(policy="cudnn")``, ``cudnorm-python`` also
+    ``native="off"`` (the Python launch path), the others change nothing. Compiled blocks keep
+    the policy of their tracing."""
     import contextlib  # noqa: PLC0415
 
-    if provider != "cudnorm-cudnn":
+    if provider not in PROVIDER_CONFIG:
         return contextlib.nullcontext()
     from cudnorm import _settings  # noqa: PLC0415
 
-    return _settings.config(policy="cudnn")
+    return _settings.config(**PROVIDER_CONFIG[provider])
 
 
 # (norm, provider) -> factory(hidden, eps): the module computing what PyTorch's own computes
