@@ -1,5 +1,6 @@
 """``cudnorm bench --models``: the quick run end to end, the case filter, and the models
-themselves (rotary embeddings, provider equivalence) on the CPU."""
+themselves (rotary embeddings, provider equivalence, the fp32-master-weights autocast mode)
+on the CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import csv
 import pytest
 import torch
 
-from cudnorm import cli
+from cudnorm import _settings, cli
 from cudnorm._bench import model_zoo, models
+
+# cudnorm-python runs under cudnorm.config(native="off"), an option of the native launch path
+needs_native_option = pytest.mark.skipif("native" not in _settings.OPTIONS,
+                                         reason="this cudnorm.config has no 'native' option")
+# the providers whose models run on the CPU (Liger needs triton and a GPU)
+CPU_PROVIDERS = [pytest.param(p, marks=needs_native_option) if p == "cudnorm-python" else p
+                 for p in models.PROVIDERS if p not in ("torch", "liger")]
 
 
 def _rows(path):
@@ -23,7 +31,9 @@ def test_quick_run_writes_every_case(tmp_path, capsys):
         assert tuple(next(csv.reader(f))) == models.COLUMNS
     rows = _rows(tmp_path / "models.csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    bound = 1e-3 if device == "cpu" else 5e-2  # fp32 on the CPU, bf16 models on a GPU
+    # fp32 on the CPU, bf16 models on a GPU and in train-autocast everywhere (cudnorm's own
+    # path rounds a bf16 result once where PyTorch's formula rounds after each op)
+    bounds = {True: 5e-2, False: 1e-3 if device == "cpu" else 5e-2}
     expected = {c.id for c in model_zoo.select(model_zoo.all_cases(quick=True), None, device, quick=True)}
     assert {r["case"] for r in rows} == expected
     assert not any(r["mode"] == "train-compile" for r in rows)  # only when asked for, in quick mode
@@ -36,9 +46,10 @@ def test_quick_run_writes_every_case(tmp_path, capsys):
             assert float(r["step_ms"]) > 0 and float(r["host_ms"]) > 0
         assert float(got["torch"]["speedup"]) == 1.0
         assert float(got["torch"]["rel_diff"]) == 0.0
+        bound = bounds[case.endswith("autocast")]
         for peer in set(got) - {"torch"}:
             assert float(got[peer]["rel_diff"]) < bound, got[peer]
-            if got[peer]["mode"] == "train":
+            if got[peer]["mode"].startswith("train"):
                 assert float(got[peer]["grad_rel_diff"]) < bound, got[peer]
     md = (tmp_path / "models.md").read_text()
     assert f"`cudnorm bench --models --quick --out {tmp_path}`" in md
@@ -51,8 +62,16 @@ def test_filter_selects_cases(tmp_path):
                      "--providers", "torch,cudnorm"]) == 0
     rows = _rows(tmp_path / "models.csv")
     assert rows and all(r["model"] == "dit" for r in rows)
-    assert {r["mode"] for r in rows} == {"train", "infer"}
+    assert {r["mode"] for r in rows} == {"train", "infer", "train-autocast"}
     assert "--models dit" in (tmp_path / "models.md").read_text()
+
+
+@needs_native_option
+def test_cudnorm_python_provider_runs(tmp_path):
+    assert cli.main(["bench", "--models", "flux-64-b1-s24:train", "--quick", "--out", str(tmp_path),
+                     "--providers", "torch,cudnorm-python"]) == 0
+    rows = {r["provider"]: r for r in _rows(tmp_path / "models.csv")}
+    assert set(rows) == {"torch", "cudnorm-python"} and rows["cudnorm-python"]["status"] == "ok"
 
 
 def test_select_and_unknown_filter():
@@ -67,6 +86,18 @@ def test_select_and_unknown_filter():
         "train-compile"}
     exact = model_zoo.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
     assert [c.id for c in exact] == ["dit-1152-b8-s256:train", "gpt2-1024-b8-s1024:train-compile"]
+    # the cases of issue 32's table of model steps
+    table = "sd3,flux,dit-1152-b8,dit-1152-b32-s1024:train,llama-4096:decode-b1"
+    assert {c.id for c in model_zoo.select(cases, table, "cuda", quick=False)} == {
+        *(f"{name}:{mode}" for name in ("sd3-1536-b2-s4096-t154", "flux-3072-b1-s4608")
+          for mode in ("train", "train-autocast", "infer")),
+        *(f"dit-1152-b8-s{s}:{mode}" for s in (256, 1024) for mode in ("train", "train-compile", "infer",
+                                                                         "train-autocast")),
+        "dit-1152-b32-s1024:train", "llama-4096:decode-b1"}
+    sd3 = next(c for c in cases if c.model == "sd3")
+    assert (sd3.batch, sd3.seq, sd3.text, sd3.width, sd3.width // sd3.heads) == (2, 4096, 154, 1536, 64)
+    flux = next(c for c in cases if c.model == "flux")
+    assert (flux.batch, flux.seq, flux.width, flux.width // flux.heads) == (1, 4096 + 512, 3072, 128)
     assert cli.main(["bench", "--models", "no-such-model", "--quick"]) == 2
     assert cli.main(["bench", "--models", "--quick", "--providers", "torch,nope"]) == 2
 
@@ -132,3 +163,88 @@ def test_llama_and_gpt_providers_share_weights():
         norm = ref.layers[0].modules()
         weights = [m.weight for m in norm if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
         assert weights and not torch.equal(weights[0], torch.ones_like(weights[0]))  # randomised
+
+
+def _tiny(model: str, mode: str) -> model_zoo.Case:
+    return next(c for c in model_zoo.all_cases(quick=True) if c.model == model and c.mode == mode)
+
+
+def _run(case, provider, dtype=torch.float32):
+    """``(model, output, {parameter name: grad})`` of one seeded step of ``case``."""
+    with model_zoo.provider_settings(provider):
+        w = models.build(case, provider, "cpu", dtype)
+        out = w.step(torch.Generator().manual_seed(1)).detach()
+    return w.model, out, {n: p.grad for n, p in w.model.named_parameters()}
+
+
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+@pytest.mark.parametrize("provider", CPU_PROVIDERS)
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_sd3_and_flux_providers_agree(model, provider, mode):
+    """Every provider's SD3/Flux model has torch's weights and, in fp32 on the CPU (where
+    cudnorm's norms run PyTorch's kernels), its outputs and gradients."""
+    case = _tiny(model, mode)
+    ref, want, want_grads = _run(case, "torch")
+    mine, got, grads = _run(case, provider)
+    assert list(ref.state_dict()) == list(mine.state_dict())
+    for a, b in zip(ref.state_dict().values(), mine.state_dict().values()):
+        assert torch.equal(a, b)
+    norm_q = mine.blocks[0].attn.norm_q if model == "flux" else mine.blocks[0].image.attn.norm_q
+    assert norm_q.weight.shape == (case.width // case.heads,)  # a per-head norm, randomised
+    assert not torch.equal(norm_q.weight, torch.ones_like(norm_q.weight))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        if case.train:
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        else:
+            assert grad is None and grads[name] is None
+
+
+@pytest.mark.parametrize("model", ["dit", "sd3", "flux"])
+@pytest.mark.parametrize("provider", ["torch", *CPU_PROVIDERS])
+def test_autocast_mode_keeps_fp32_master_weights(model, provider):
+    """``train-autocast``: parameters (norm weights included) and their gradients stay fp32,
+    the norms see bf16 activations under autocast, and the output is as close to the fp64
+    model's as PyTorch's own norms get (at most 2x torch's error)."""
+    case = _tiny(model, "train-autocast")
+    with model_zoo.provider_settings(provider):
+        w = models.build(case, provider, "cpu", torch.float32)
+    assert {p.dtype for p in w.model.parameters()} == {torch.float32}
+    seen = set()  # (norm, autocast on, activation dtype, weight dtype) of every norm call
+
+    def record_ada(norm_mod):
+        def recorded(x, shift, scale):
+            seen.add(("ada", torch.is_autocast_enabled("cpu"), x.dtype, None))
+            return norm_mod(x, shift, scale)
+        return recorded
+
+    def record_rms(module, args):
+        seen.add(("rms", torch.is_autocast_enabled("cpu"), args[0].dtype, module.weight.dtype))
+
+    for m in w.model.modules():
+        if hasattr(m, "norm_mod"):
+            m.norm_mod = record_ada(m.norm_mod)
+        if isinstance(m, model_zoo.QKV):
+            m.norm_q.register_forward_pre_hook(record_rms)
+            m.norm_k.register_forward_pre_hook(record_rms)
+    gen = torch.Generator().manual_seed(1)
+    inputs = w.inputs(gen)
+    assert {x.dtype for x in inputs} == {torch.bfloat16}
+    with model_zoo.provider_settings(provider):
+        out = w.forward(*inputs)
+    out.float().square().mean().backward()
+    assert seen == {("ada", True, torch.bfloat16, None)} | (
+        set() if model == "dit" else {("rms", True, torch.bfloat16, torch.float32)})
+    assert {p.grad.dtype for p in w.model.parameters()} == {torch.float32}
+
+    # the same model in fp64 without autocast: the reference both providers are held to
+    builder = {"dit": lambda: model_zoo.build_dit(case.width, case.heads, case.depth, "torch"),
+               "sd3": lambda: model_zoo.build_sd3(case.width, case.heads, case.depth, "torch"),
+               "flux": lambda: model_zoo.build_flux(case.width, case.heads, case.depth, "torch", case.seq)}[model]
+    with torch.no_grad():
+        ref = builder().double()(*(x.double() for x in inputs))
+
+    def err(y):
+        return float((y.detach().double() - ref).norm() / ref.norm())
+
+    assert err(out) <= 2 * err(_run(case, "torch")[1])

@@ -1,7 +1,8 @@
-"""The models of ``cudnorm bench --models``: DiT (adaLN-Zero), a Llama-style decoder and a
-GPT-2-style LayerNorm stack, each built with a *norm factory* so that providers differ only
-in their norms; the :class:`Case` s (configurations) of the full and the quick run; and
-:func:`norm_work`, one step's norm calls alone (for ``norm_ms``).
+"""The models of ``cudnorm bench --models``: DiT (adaLN-Zero), SD3-like MMDiT joint blocks and
+Flux-like single-stream blocks (adaLN modulation and per-head qk RMSNorm), a Llama-style
+decoder and a GPT-2-style LayerNorm stack, each built with *norm factories* so that providers
+differ only in their norms; the :class:`Case` s (configurations) of the full and the quick
+run; and :func:`norm_work`, one step's norm calls alone (for ``norm_ms``).
 
 Every builder seeds ``torch.manual_seed(0)`` first and no norm consumes random numbers at
 construction (PyTorch's, cudnorm's and Liger's norms start at ones/zeros), so every
@@ -14,7 +15,7 @@ before the final norm would be rounding noise. Shapes: ``B`` batch, ``S`` tokens
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,13 @@ _NORM_FACTORIES = {
 }
 
 
+def ada_factory(provider: str) -> Callable:
+    """``norm_mod(x, shift, scale)`` of ``provider``: cudnorm's fused op for the cudnorm
+    providers, else PyTorch's formula (Liger has no AdaLN: its SD3/Flux models differ from
+    torch's only in the qk RMSNorms)."""
+    return (cudnorm_norm_mod if norm_provider(provider) == "cudnorm" else torch_norm_mod)()
+
+
 def rms_factory(provider: str) -> Callable[[int, float], nn.Module]:
     """``factory(hidden, eps)`` -> an RMSNorm computing what ``nn.RMSNorm`` computes."""
     return _NORM_FACTORIES[("rms", norm_provider(provider))]
@@ -113,6 +121,50 @@ def rms_factory(provider: str) -> Callable[[int, float], nn.Module]:
 def ln_factory(provider: str) -> Callable[[int, float], nn.Module]:
     """``factory(hidden, eps)`` -> an affine LayerNorm (weight ones, bias zeros)."""
     return _NORM_FACTORIES[("ln", norm_provider(provider))]
+
+
+# ---------------------------------------------------------------------------------------
+# Pieces shared by the blocks
+
+
+def _mlp(dim: int) -> nn.Sequential:
+    """The transformer MLP of DiT, SD3 and GPT-2: ``D -> 4D -> D`` with tanh GELU."""
+    return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+
+def _modulation(dim: int, chunks: int) -> nn.Sequential:
+    """adaLN's ``Linear(SiLU(c))``: ``c [B, D]`` -> ``[B, chunks * D]`` (shifts, scales, gates)."""
+    linear = nn.Linear(dim, chunks * dim)
+    # DiT, SD3 and Flux start it at zero (identity blocks); small random weights make outputs
+    # and gradients depend on every norm, so the equivalence check means something
+    nn.init.normal_(linear.weight, std=0.02)
+    nn.init.zeros_(linear.bias)
+    return nn.Sequential(nn.SiLU(), linear)
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings (RoFormer; Llama's "rotate half" layout), of Llama and Flux.
+
+    ``cos``/``sin`` buffers: ``[max_pos, head_dim]``, the ``head_dim / 2`` frequencies
+    ``base ** (-2i / head_dim)`` repeated twice, so that channel ``i`` pairs with channel
+    ``i + head_dim / 2``.
+    """
+
+    def __init__(self, head_dim: int, max_pos: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Rotate ``x [B, H, S, head_dim]`` at positions ``start .. start + S - 1``."""
+        s = x.shape[2]
+        cos, sin = self.cos[start:start + s].to(x.dtype), self.sin[start:start + s].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,12 +182,8 @@ class DiTBlock(nn.Module):
         self.heads, self.norm_mod = heads, norm_mod
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
-        # DiT starts these at zero (identity blocks); small random weights make outputs and
-        # gradients depend on every norm, so the equivalence check means something
-        nn.init.normal_(self.adaLN_modulation[1].weight, std=0.02)
-        nn.init.zeros_(self.adaLN_modulation[1].bias)
+        self.mlp = _mlp(dim)
+        self.adaLN_modulation = _modulation(dim, 6)
 
     def attn(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -164,38 +212,155 @@ class DiT(nn.Module):
 
 def build_dit(dim: int, heads: int, depth: int, provider: str) -> DiT:
     """A seeded DiT whose norms are ``provider``'s (``torch``, ``cudnorm``, ``cudnorm-cudnn``)."""
-    norm_mod = {"torch": torch_norm_mod, "cudnorm": cudnorm_norm_mod}[norm_provider(provider)]()
+    norm_mod = ada_factory(provider)
     torch.manual_seed(0)
     return DiT(dim, heads, depth, norm_mod)
 
 
 # ---------------------------------------------------------------------------------------
-# Llama
+# SD3 (MMDiT joint blocks) and Flux (single-stream blocks): adaLN and per-head qk RMSNorm
 
 
-class Rotary(nn.Module):
-    """Rotary position embeddings (RoFormer; Llama's "rotate half" layout).
+class QKV(nn.Module):
+    """q/k/v projections with a per-head RMSNorm on q and k (diffusers' ``Attention`` with
+    ``qk_norm="rms_norm"``): ``x [B, S, D]`` -> q, k, v ``[B, H, S, D / H]``.
 
-    ``cos``/``sin`` buffers: ``[max_pos, head_dim]``, the ``head_dim / 2`` frequencies
-    ``base ** (-2i / head_dim)`` repeated twice, so that channel ``i`` pairs with channel
-    ``i + head_dim / 2``.
+    Three projections rather than one fused qkv Linear, as in diffusers' SD3 and Flux
+    attention: each norm's input is then a contiguous ``[B, S, H, D / H]``; the q of a fused
+    output is a strided view, which Liger's RMSNorm cannot flatten into rows."""
+
+    def __init__(self, dim: int, heads: int, rms: Callable) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = rms(dim // heads, 1e-6), rms(dim // heads, 1e-6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)) for proj in (self.to_q, self.to_k, self.to_v))
+        return self.norm_q(q).transpose(1, 2), self.norm_k(k).transpose(1, 2), v.transpose(1, 2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over ``[B, H, S, hd]`` q, k, v -> ``[B, S, H * hd]``."""
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
+class JointStream(nn.Module):
+    """One stream (image or text) of an SD3 joint block: its adaLN-Zero modulation, q/k/v
+    with qk RMSNorm, attention output projection and MLP."""
+
+    def __init__(self, dim: int, heads: int, norm_mod: Callable, rms: Callable) -> None:
+        super().__init__()
+        self.norm_mod = norm_mod
+        self.adaLN_modulation = _modulation(dim, 6)
+        self.attn = QKV(dim, heads, rms)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = _mlp(dim)
+
+    def qkv(self, x: torch.Tensor, mod: tuple) -> tuple[torch.Tensor, ...]:
+        """``x [B, S, D]`` and this stream's six ``[B, D]`` modulation chunks -> q, k, v."""
+        shift_msa, scale_msa = mod[:2]
+        return self.attn(self.norm_mod(x, shift_msa, scale_msa))
+
+    def finish(self, x: torch.Tensor, att: torch.Tensor, mod: tuple) -> torch.Tensor:
+        """The gated residuals of attention (``att [B, S, D]``, this stream's share) and MLP."""
+        _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
+        x = x + gate_msa[:, None] * self.proj(att)
+        return x + gate_mlp[:, None] * self.mlp(self.norm_mod(x, shift_mlp, scale_mlp))
+
+
+class JointBlock(nn.Module):
+    """SD3's MMDiT joint block (diffusers ``JointTransformerBlock``): an image and a text
+    stream, each modulated by ``c``, attending jointly over their concatenated tokens.
+
+    ``forward(x, ctx, c)``: ``x [B, S, D]`` image tokens, ``ctx [B, T, D]`` text tokens,
+    ``c [B, D]`` conditioning; returns ``(x, ctx)`` of the same shapes.
     """
 
-    def __init__(self, head_dim: int, max_pos: int, base: float = 10000.0) -> None:
+    def __init__(self, dim: int, heads: int, norm_mod: Callable, rms: Callable) -> None:
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.image, self.text = (JointStream(dim, heads, norm_mod, rms) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Rotate ``x [B, H, S, head_dim]`` at positions ``start .. start + S - 1``."""
-        s = x.shape[2]
-        cos, sin = self.cos[start:start + s].to(x.dtype), self.sin[start:start + s].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        streams, states = (self.image, self.text), (x, ctx)
+        mods = [stream.adaLN_modulation(c).chunk(6, dim=1) for stream in streams]
+        qkv = [stream.qkv(h, mod) for stream, h, mod in zip(streams, states, mods)]
+        att = _attend(*(torch.cat(t, dim=2) for t in zip(*qkv))).split([x.shape[1], ctx.shape[1]], dim=1)
+        return tuple(stream.finish(h, a, mod) for stream, h, a, mod in zip(streams, states, att, mods))
+
+
+class MMDiT(nn.Module):
+    """``depth`` :class:`JointBlock` s. ``forward(x, ctx, c)`` -> ``[B, S + T, D]``: both
+    streams' outputs, so that the loss reaches every norm (SD3's last block drops the text
+    stream's MLP; these blocks keep it)."""
+
+    def __init__(self, dim: int, heads: int, depth: int, norm_mod: Callable, rms: Callable) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(JointBlock(dim, heads, norm_mod, rms) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x, ctx = block(x, ctx, c)
+        return torch.cat((x, ctx), dim=1)
+
+
+def build_sd3(dim: int, heads: int, depth: int, provider: str) -> MMDiT:
+    """A seeded :class:`MMDiT` whose AdaLNs and qk RMSNorms are ``provider``'s."""
+    norm_mod, rms = ada_factory(provider), rms_factory(provider)
+    torch.manual_seed(0)
+    return randomize_norms(MMDiT(dim, heads, depth, norm_mod, rms))
+
+
+class SingleStreamBlock(nn.Module):
+    """Flux's single-stream block (BFL ``SingleStreamBlock``, diffusers
+    ``FluxSingleTransformerBlock``): one modulated LayerNorm feeds attention (qk RMSNorm,
+    RoPE) and the MLP in parallel; one Linear maps their concatenated outputs back, gated.
+
+    ``forward(x, c)``: ``x [B, S, D]`` (text and image tokens), ``c [B, D]``; returns
+    ``[B, S, D]``. RoPE: Llama's one-axis :class:`Rotary` stands in for Flux's three-axis
+    one (the same elementwise work on q and k; no norm in it).
+    """
+
+    def __init__(self, dim: int, heads: int, norm_mod: Callable, rms: Callable, rotary: Rotary) -> None:
+        super().__init__()
+        self.norm_mod, self.rotary = norm_mod, [rotary]  # a list: the model owns the buffers
+        self.modulation = _modulation(dim, 3)
+        self.attn = QKV(dim, heads, rms)
+        self.mlp_in = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(5 * dim, dim)  # [attention, GELU(mlp_in)] -> D
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale, gate = self.modulation(c).chunk(3, dim=1)
+        h = self.norm_mod(x, shift, scale)
+        q, k, v = self.attn(h)
+        rope = self.rotary[0]
+        att = _attend(rope(q, 0), rope(k, 0), v)
+        return x + gate[:, None] * self.proj(torch.cat((att, F.gelu(self.mlp_in(h), approximate="tanh")), dim=-1))
+
+
+class FluxSingle(nn.Module):
+    """``depth`` :class:`SingleStreamBlock` s; ``forward(x, c)`` as the block's."""
+
+    def __init__(self, dim: int, heads: int, depth: int, norm_mod: Callable, rms: Callable, max_pos: int) -> None:
+        super().__init__()
+        self.rotary = Rotary(dim // heads, max_pos)
+        self.blocks = nn.ModuleList(SingleStreamBlock(dim, heads, norm_mod, rms, self.rotary) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, c)
+        return x
+
+
+def build_flux(dim: int, heads: int, depth: int, provider: str, max_pos: int) -> FluxSingle:
+    """A seeded :class:`FluxSingle` whose AdaLNs and qk RMSNorms are ``provider``'s."""
+    norm_mod, rms = ada_factory(provider), rms_factory(provider)
+    torch.manual_seed(0)
+    return randomize_norms(FluxSingle(dim, heads, depth, norm_mod, rms, max_pos))
+
+
+# ---------------------------------------------------------------------------------------
+# Llama
 
 
 class LlamaLayer(nn.Module):
@@ -310,8 +475,7 @@ class GPTBlock(nn.Module):
         self.c_attn = nn.Linear(hidden, 3 * hidden)
         self.attn_proj = nn.Linear(hidden, hidden)
         self.ln_2 = norm(hidden, 1e-5)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * hidden, hidden))
+        self.mlp = _mlp(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, S, hidden]`` -> the same shape."""
@@ -372,12 +536,15 @@ def first_linear_weight(model: nn.Module) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Case:
-    """One model configuration in one mode. ``seq``: tokens per sequence (decode: the
-    prefilled cache length when timing starts; each step adds one token)."""
+    """One model configuration in one mode. ``seq``: tokens per sequence (SD3: image tokens;
+    Flux: image and text tokens; decode: the prefilled cache length when timing starts; each
+    step adds one token). Mode ``train-autocast``: fp32 parameters (fp32 master weights, norm
+    weights included), bf16 inputs and the forward under ``torch.autocast(bfloat16)``, so
+    the norms see bf16 activations with fp32 weights."""
 
-    model: str  # "dit" | "llama" | "gpt2"
+    model: str  # "dit" | "sd3" | "flux" | "llama" | "gpt2"
     name: str  # e.g. "dit-1152-b8-s1024"
-    mode: str  # "train" | "train-compile" | "infer" | "decode-b<N>"
+    mode: str  # "train" | "train-compile" | "train-autocast" | "infer" | "decode-b<N>"
     batch: int
     seq: int
     width: int
@@ -385,6 +552,7 @@ class Case:
     depth: int
     intermediate: int = 0  # Llama MLP width
     context: int = 0  # decode: KV-cache length
+    text: int = 0  # SD3: text-stream tokens
 
     @property
     def id(self) -> str:
@@ -399,6 +567,10 @@ class Case:
         return self.mode.endswith("compile")
 
     @property
+    def autocast(self) -> bool:
+        return self.mode.endswith("autocast")
+
+    @property
     def decode(self) -> bool:
         return self.mode.startswith("decode")
 
@@ -406,6 +578,22 @@ class Case:
 def _dit_cases(dims, seqs, batches, depth) -> list[Case]:
     return [Case("dit", f"dit-{d}-b{b}-s{s}", mode, b, s, d, h, depth)
             for mode in ("train", "train-compile", "infer") for d, h in dims for s in seqs for b in batches]
+
+
+def _autocast_cases(cases: list[Case]) -> list[Case]:
+    """The ``train-autocast`` twin of each case."""
+    return [replace(c, mode="train-autocast") for c in cases]
+
+
+_DIFFUSION_MODES = ("train", "train-autocast", "infer")
+
+
+def _sd3_cases(b, s, t, d, h, depth) -> list[Case]:
+    return [Case("sd3", f"sd3-{d}-b{b}-s{s}-t{t}", mode, b, s, d, h, depth, text=t) for mode in _DIFFUSION_MODES]
+
+
+def _flux_cases(b, s, d, h, depth) -> list[Case]:
+    return [Case("flux", f"flux-{d}-b{b}-s{s}", mode, b, s, d, h, depth) for mode in _DIFFUSION_MODES]
 
 
 def _llama_cases(hidden, heads, inter, layers, train_bs, decode_batches, context) -> list[Case]:
@@ -417,12 +605,23 @@ def _llama_cases(hidden, heads, inter, layers, train_bs, decode_batches, context
 
 
 def all_cases(quick: bool) -> list[Case]:
-    """Every configuration of the full run, or of the quick run (tiny, seconds on a CPU)."""
+    """Every configuration of the full run, or of the quick run (tiny, seconds on a CPU).
+
+    SD3-like: SD3-medium's width and heads (D = 1536, 24 x 64), 4096 image tokens (a
+    1024 x 1024 image: 128 x 128 latents in 2 x 2 patches) and 154 text tokens, B = 2, 6
+    joint blocks (SD3-medium has 24). Flux-like: Flux's single-stream width and heads
+    (D = 3072, 24 x 128), 4096 image + 512 text tokens, B = 1, 4 blocks (Flux has 38).
+    Depths keep a step within tens of ms on an H100.
+    """
     if quick:
-        return (_dit_cases([(64, 4)], [16], [2], depth=2)
+        dit = _dit_cases([(64, 4)], [16], [2], depth=2)
+        return (dit + _autocast_cases([c for c in dit if c.mode == "train"])
+                + _sd3_cases(2, 16, 8, 64, 4, depth=2) + _flux_cases(1, 24, 64, 4, depth=2)
                 + _llama_cases(64, 4, 128, 2, (2, 32), (1, 2), context=64)
                 + [Case("gpt2", "gpt2-64-b2-s32", mode, 2, 32, 64, 4, 2) for mode in ("train", "train-compile")])
-    return (_dit_cases([(1152, 16), (3072, 24)], [256, 1024], [2, 8, 32], depth=4)
+    dit = _dit_cases([(1152, 16), (3072, 24)], [256, 1024], [2, 8, 32], depth=4)
+    return (dit + _autocast_cases([c for c in dit if c.mode == "train" and c.name.startswith("dit-1152-b8-")])
+            + _sd3_cases(2, 4096, 154, 1536, 24, depth=6) + _flux_cases(1, 4608, 3072, 24, depth=4)
             + _llama_cases(4096, 32, 11008, 4, (2, 4096), (1, 32), context=1024)
             + [Case("gpt2", "gpt2-1024-b8-s1024", mode, 8, 1024, 1024, 16, 4) for mode in ("train", "train-compile")])
 
@@ -441,33 +640,60 @@ def select(cases: list[Case], filter_text: str | None, device: str, quick: bool)
     return chosen
 
 
+def dtypes(case: Case, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """``(parameters, activations)`` of ``case`` in a run of ``dtype``: fp32 and bf16 in
+    ``train-autocast``, else both ``dtype``."""
+    return (torch.float32, torch.bfloat16) if case.autocast else (dtype, dtype)
+
+
 def norm_work(case: Case, provider: str, device: str, dtype: torch.dtype) -> Callable[[], None]:
     """A zero-argument function running one step's norm calls on static tensors: as many
-    calls as one forward makes (2 per block, + the final norm in Llama/GPT-2), each at the
-    model's activation shape, followed in training by its autograd backward (grads of the
-    input and of the norm's parameters, or of DiT's modulation). Compile modes compile the
-    norm function alone (a stand-in: inside a compiled block inductor may fuse it)."""
-    b, d = case.batch, case.width
+    calls as one forward makes, each at its activation shape (per block: DiT 2 AdaLN; SD3 2
+    AdaLN and a q and a k RMSNorm per stream; Flux 1 AdaLN, q and k RMSNorm; Llama/GPT-2 2
+    norms per layer and the final one), followed in training by its autograd backward (grads
+    of the input and of the norm's parameters, or of the AdaLN modulation), under autocast in
+    ``train-autocast``. Compile modes compile the norm functions alone (a stand-in: inside a
+    compiled block inductor may fuse them)."""
+    b, d, hd = case.batch, case.width, case.width // case.heads
     s = 1 if case.decode else case.seq
-    x = torch.randn(b, s, d, device=device, dtype=dtype, requires_grad=case.train)
-    dy = torch.randn_like(x)
+    params, act = dtypes(case, dtype)
+    calls = []  # (norm, its arguments, the leaves its backward reaches, dy), one per call
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, dtype=act, requires_grad=case.train)
+
+    def compiled(fn):
+        return torch.compile(fn, dynamic=False) if case.compiled else fn
+
+    def ada(tokens: int, chunks: int, count: int) -> None:
+        x, mod = randn(b, tokens, d), randn(b, chunks * d)
+        fn = compiled(ada_factory(provider))
+        calls.extend([(fn, lambda: (x, *mod.chunk(chunks, dim=1)[:2]), [x, mod], torch.randn_like(x))] * count)
+
+    def norm(factory, shape: tuple, eps: float, count: int) -> None:
+        x = randn(*shape)
+        module = factory(provider)(shape[-1], eps).to(device, params)
+        calls.extend([(compiled(module), lambda: (x,), [x, *module.parameters()], torch.randn_like(x))] * count)
+
+    n = case.depth
     if case.model == "dit":
-        count = 2 * case.depth
-        fn = (torch_norm_mod if norm_provider(provider) == "torch" else cudnorm_norm_mod)()
-        mod = torch.randn(b, 6 * d, device=device, dtype=dtype, requires_grad=case.train)
-        args, leaves = lambda: (x, *mod.chunk(6, dim=1)[:2]), [x, mod]  # chunk views, as in the block
+        ada(s, 6, 2 * n)
+    elif case.model == "sd3":
+        for tokens in (s, case.text):
+            ada(tokens, 6, 2 * n)
+            norm(rms_factory, (b, tokens, case.heads, hd), 1e-6, 2 * n)
+    elif case.model == "flux":
+        ada(s, 3, n)
+        norm(rms_factory, (b, s, case.heads, hd), 1e-6, 2 * n)
     else:
-        count = 2 * case.depth + 1
-        factory = rms_factory if case.model == "llama" else ln_factory
-        fn = factory(provider)(d, 1e-6 if case.model == "llama" else 1e-5).to(device, dtype)
-        args, leaves = lambda: (x,), [x, *fn.parameters()]
-    if case.compiled:
-        fn = torch.compile(fn, dynamic=False)
+        llama = case.model == "llama"
+        norm(rms_factory if llama else ln_factory, (b, s, d), 1e-6 if llama else 1e-5, 2 * n + 1)
 
     def work():
-        for _ in range(count):
-            y = fn(*args())
-            if case.train:
-                torch.autograd.grad(y, leaves, dy)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=case.autocast):
+            for fn, args, leaves, dy in calls:
+                y = fn(*args())
+                if case.train:
+                    torch.autograd.grad(y, leaves, dy)
 
     return work

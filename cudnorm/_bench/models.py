@@ -3,12 +3,15 @@
 Op benchmarks call one kernel on the same tensors again and again; a model step makes new
 tensors every time (the caching allocator hands out different buffers, shapes meet plans
 already built or not, the host enqueues hundreds of ops). Users judge cudnorm by that step
-time, so this suite times whole steps of three models (:mod:`.model_zoo`), where each
+time, so this suite times whole steps of five models (:mod:`.model_zoo`), where each
 provider swaps *only* the norms and the weights are identical (seeded):
 
 * DiT (adaLN-Zero): torch's eager ``norm(x) * (1 + scale) + shift`` vs
   ``cudnorm.ada_layer_norm``; modes ``train``, ``train-compile`` (each block compiled),
-  ``infer``.
+  ``infer``, and ``train-autocast`` (fp32 master weights under bf16 autocast) for DiT-XL B=8.
+* SD3-like MMDiT joint blocks and Flux-like single-stream blocks: AdaLN as DiT's and
+  per-head qk RMSNorm (``nn.RMSNorm`` vs ``cudnorm.RMSNorm``; Liger's provider swaps only
+  these); modes ``train``, ``train-autocast``, ``infer``.
 * Llama-style decoder (RMSNorm): ``train`` and one-token ``decode-b1``/``decode-b32`` with
   a KV cache; providers torch, cudnorm, liger.
 * GPT-2-style stack (LayerNorm): ``train``; providers torch, cudnorm, liger.
@@ -54,13 +57,16 @@ from .._progress import progress
 COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
            "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
 # Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (policy="cudnn"),
-# the evidence for the default policy's choices (cudnorm._policy); torch-again, PyTorch's
-# norms in a second model instance, whose ratio to torch is the run's noise floor
-PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "torch-again")
+# the evidence for the default policy's choices (cudnorm._policy); cudnorm-python, the same
+# on the Python launch path (what the native one saves); torch-again, PyTorch's norms in a
+# second model instance, whose ratio to torch is the run's noise floor
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "torch-again")
 DEFAULT_PROVIDERS = ("torch", "cudnorm", "liger")
-MODEL_PROVIDERS = {"dit": ("torch", "cudnorm", "cudnorm-cudnn", "torch-again"),  # Liger has no AdaLN
-                   "llama": PROVIDERS, "gpt2": PROVIDERS}
-MODEL_TITLES = {"dit": "DiT (AdaLN)", "llama": "Llama (RMSNorm)", "gpt2": "GPT-2 (LayerNorm)"}
+MODEL_PROVIDERS = {"dit": tuple(p for p in PROVIDERS if p != "liger"),  # Liger has no AdaLN
+                   "sd3": PROVIDERS, "flux": PROVIDERS, "llama": PROVIDERS, "gpt2": PROVIDERS}
+MODEL_TITLES = {"dit": "DiT (AdaLN)", "sd3": "SD3-like MMDiT (AdaLN, qk RMSNorm)",
+                "flux": "Flux-like single-stream (AdaLN, qk RMSNorm)", "llama": "Llama (RMSNorm)",
+                "gpt2": "GPT-2 (LayerNorm)"}
 
 LEGEND = """\
 Legend: ms per step, median over interleaved rounds of K back-to-back steps on fresh inputs
@@ -136,15 +142,29 @@ class Workload:
         return out
 
 
-def _randn(shape, device, dtype) -> Callable:
-    return lambda gen: (torch.randn(shape, generator=gen, device=device, dtype=dtype),)
+def _randn(device: str, dtype: torch.dtype, *shapes) -> Callable:
+    """``inputs(gen)`` of a :class:`Workload`: one random tensor per shape."""
+    return lambda gen: tuple(torch.randn(shape, generator=gen, device=device, dtype=dtype) for shape in shapes)
+
+
+def _under_autocast(forward: Callable, device: str) -> Callable:
+    """``forward`` under bf16 autocast; the loss and backward stay outside it, as in
+    PyTorch's mixed-precision recipe."""
+    def run(*inputs):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return forward(*inputs)
+
+    return run
 
 
 def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workload:
-    """The seeded model of ``case`` with ``provider``'s norms, on ``device`` in ``dtype``."""
+    """The seeded model of ``case`` with ``provider``'s norms, on ``device`` in ``dtype``
+    (``train-autocast``: fp32 parameters, bf16 inputs, the forward under autocast)."""
     b, s, d = case.batch, case.seq, case.width
+    params, act = model_zoo.dtypes(case, dtype)
+    inputs = _randn(device, act, (b, s, d))
     if case.model == "dit":
-        model = model_zoo.build_dit(d, case.heads, case.depth, provider).to(device, dtype)
+        model = model_zoo.build_dit(d, case.heads, case.depth, provider).to(device, params)
         # static shapes: each new (B, S, D) is a recompile, as for a fixed-resolution job
         blocks = [torch.compile(blk, dynamic=False) for blk in model.blocks] if case.compiled else model.blocks
 
@@ -153,22 +173,24 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
                 x = block(x, c)
             return x
 
-        def inputs(gen):
-            return (torch.randn(b, s, d, generator=gen, device=device, dtype=dtype),
-                    torch.randn(b, d, generator=gen, device=device, dtype=dtype))
-
-        return Workload(model, forward, inputs, case.train)
-    if case.model == "gpt2":
-        model = model_zoo.build_gpt(d, case.heads, case.depth, provider).to(device, dtype)
+        inputs = _randn(device, act, (b, s, d), (b, d))
+    elif case.model == "sd3":
+        model = forward = model_zoo.build_sd3(d, case.heads, case.depth, provider).to(device, params)
+        inputs = _randn(device, act, (b, s, d), (b, case.text, d), (b, d))
+    elif case.model == "flux":
+        model = forward = model_zoo.build_flux(d, case.heads, case.depth, provider, max_pos=s).to(device, params)
+        inputs = _randn(device, act, (b, s, d), (b, d))
+    elif case.model == "gpt2":
+        model = model_zoo.build_gpt(d, case.heads, case.depth, provider).to(device, params)
         forward = torch.compile(model, dynamic=False) if case.compiled else model
-        return Workload(model, forward, _randn((b, s, d), device, dtype), case.train)
-    max_pos = max(case.context, s)
-    model = model_zoo.build_llama(d, case.heads, case.intermediate, case.depth, provider, max_pos).to(device, dtype)
-    if not case.decode:
+    else:
+        model = model_zoo.build_llama(d, case.heads, case.intermediate, case.depth, provider,
+                                      max_pos=max(case.context, s)).to(device, params)
+        if case.decode:
+            model.make_cache(b, case.context, prefill=s)
+            return Workload(model, model.decode_step, _randn(device, act, (b, 1, d)), train=False)
         forward = torch.compile(model, dynamic=False) if case.compiled else model
-        return Workload(model, forward, _randn((b, s, d), device, dtype), case.train)
-    model.make_cache(b, case.context, prefill=s)
-    return Workload(model, model.decode_step, _randn((b, 1, d), device, dtype), train=False)
+    return Workload(model, _under_autocast(forward, device) if case.autocast else forward, inputs, case.train)
 
 
 # ---------------------------------------------------------------------------------------
@@ -426,8 +448,9 @@ def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
 
 
 def mode_group(mode: str) -> str:
-    """The plot panel of a mode: "train", "train-compile" or "infer / decode"."""
-    return mode if mode.startswith("train") else "infer / decode"
+    """The plot panel of a mode: "train" (``train-autocast`` too), "train-compile" or
+    "infer / decode"."""
+    return "train-compile" if mode.endswith("compile") else "train" if mode.startswith("train") else "infer / decode"
 
 
 MODE_GROUPS = ("train", "train-compile", "infer / decode")

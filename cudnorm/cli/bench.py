@@ -9,7 +9,8 @@ Run::
     cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack --shapes 32768x4096
     cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
     cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNG, reprint
-    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, Llama, GPT-2): _bench/models.py
+    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2):
+                                                # _bench/models.py
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
 What a run measures, and the CSV's columns: :mod:`cudnorm._bench`. The last thing printed is
