@@ -336,7 +336,7 @@ def _sync() -> None:
 def _policy_min_elements() -> int:
     from . import _policy  # noqa: PLC0415
 
-    return _policy.CUDNN_MIN_ELEMENTS
+    return _policy.NATIVE_CUDNN_MIN_ELEMENTS
 
 
 def forget() -> None:

@@ -47,6 +47,11 @@ from . import _settings
 # every one above it won (Llama RMSNorm at 2 x 4096 x 4096 = 2**25 1.01x, DiT AdaLN at
 # 25-38M elements 1.02-1.07x: GPU-bound steps).
 CUDNN_MIN_ELEMENTS = 1 << 24
+# The same threshold while the native launch path serves (cudnorm._native): its cuDNN call costs
+# about PyTorch's host time (0.91-1.07x for LayerNorm/RMSNorm forwards and backwards, 0.58-0.79x
+# for AdaLN against the eager formula; lent H100, `cudnorm bench --host-overhead`), so every
+# eager call runs on cuDNN (docs/performance.md, Decisions).
+NATIVE_CUDNN_MIN_ELEMENTS = 0
 
 
 def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
