@@ -72,6 +72,11 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     reason = _runtime.route(input)
     if reason is None and input.dtype is torch.float64:
         reason = "float64: cuDNN has no double-precision normalization"
+    elif reason is None and _entry.native and type(input) is torch.Tensor and not torch.compiler.is_compiling():
+        # the native entry points' policy (cudnorm/csrc/entry.cpp)
+        threshold = _policy.NATIVE_CUDNN_MIN_ELEMENTS
+        if _settings.current.policy == "auto" and input.numel() < threshold:
+            reason = f"small call: policy 'auto', {threshold} elements or more run on cuDNN"
     elif reason is None and _policy.torch_serves(input):
         reason = (f"{'traced by torch.compile' if torch.compiler.is_compiling() else 'small call'}: "
                   f"policy 'auto', {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _policy
+from cudnorm import _native, _policy
 from cudnorm import reference as ref
 
 gpu = pytest.mark.gpu
@@ -119,6 +119,9 @@ def test_compiled_graph_holds_cudnorm_op_only_under_cudnn_policy():
 
 @gpu
 def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):
+    """On the Python launch path small calls run PyTorch's own ops (the native path's rule is
+    the next test's)."""
+    cudnorm.config(native="off")
     x = torch.randn(2, 256, 1152, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.randn(1152, device="cuda", dtype=BF16, requires_grad=True)
     mod = torch.randn(2, 2 * 1152, device="cuda", dtype=BF16, requires_grad=True)
@@ -132,6 +135,21 @@ def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):
     info = cudnorm.cache_info()
     assert info.builds == 0 and info.misses == 0, info
     assert cudnorm.serving_path("layer_norm", x).startswith("torch (small call")
+
+
+@gpu
+def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
+    """With the native launch path every eager CUDA call runs on cuDNN by default
+    (NATIVE_CUDNN_MIN_ELEMENTS: its host cost is about PyTorch's)."""
+    if cudnorm.get_config().native == "off":
+        pytest.skip("the native launch path is switched off")
+    x = torch.randn(2, 256, 1152, device="cuda", dtype=BF16)
+    w = torch.randn(1152, device="cuda", dtype=BF16)
+    y = cudnorm.layer_norm(x, (1152,), w, w)
+    torch.testing.assert_close(y, F.layer_norm(x, (1152,), w, w))
+    if _native.status()["active"]:
+        assert cudnorm.cache_info().builds > 0
+        assert cudnorm.serving_path("layer_norm", x) == "cudnn"
 
 
 @gpu
