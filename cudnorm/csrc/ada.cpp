@@ -46,7 +46,7 @@ std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, con
     auto out = kernel_py("ada_fwd", {x, scale, shift}, {eps, double(one_plus_scale), double(training)});
     return std::make_tuple(out[0], training ? out[1] : Tensor());
   };
-  if (!settings().enabled) return python();
+  if (!settings().enabled || x.numel() == 0) return python();  // empty inputs: PyTorch's path
   Tensor x2 = cudnn_rows(x.reshape({b * s, d}));
   RecipeRef recipe = recipe_for(Kind::AdaForward, x2,
                                 {training, b, dtype_code(scale), dtype_code(shift), one_plus_scale}, {});
@@ -91,7 +91,7 @@ std::tuple<Tensor, Tensor, Tensor> ada_layer_norm_bwd(const Tensor& dy, const Te
                          {double(one_plus_scale), double(static_cast<int64_t>(shift_dtype))});
     return std::make_tuple(out[0], out[1], out[2]);
   };
-  if (!settings().enabled) return python();
+  if (!settings().enabled || x.numel() == 0) return python();  // empty inputs: PyTorch's path
   Tensor x2 = cudnn_rows(x.reshape({rows, d}));
   RecipeRef recipe = recipe_for(Kind::AdaBackward, x2, {b, dtype_code(scale), one_plus_scale}, {});
   if (recipe->mode == Mode::Python) return python();

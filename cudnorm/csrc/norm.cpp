@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x_in, const OptTen
                          {eps, double(training), double(rms), offset});
     return std::make_tuple(out[0], add ? out[1] : Tensor(), training ? out[2] : Tensor());
   };
-  if (!settings().enabled) return python();
+  if (!settings().enabled || x_in.numel() == 0) return python();  // empty inputs: PyTorch's path
   Tensor x = cudnn_rows(x_in);
   RecipeRef recipe = recipe_for(Kind::NormForward, x, {rms, training, add, dtype_code(weight), dtype_code(bias)},
                                 {offset});
@@ -142,7 +142,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dy, const Tensor& x_in
     auto out = kernel_py("norm_bwd", {dy, x_in, weight, stats}, {double(rms), offset});
     return std::make_tuple(out[0], out[1], rms ? Tensor() : out[2]);
   };
-  if (!settings().enabled) return python();
+  if (!settings().enabled || x_in.numel() == 0) return python();
   Tensor x = cudnn_rows(x_in);
   RecipeRef recipe = recipe_for(Kind::NormBackward, x, {rms, dtype_code(weight)}, {offset});
   if (recipe->mode == Mode::Python) return python();
