@@ -174,7 +174,6 @@ class Formula:
     """
 
     name: str
-    summary: str
     forward: Callable
     why_not: Callable[[torch.nn.Module], str | None]
     methods: tuple[str, ...] = ("forward",)
@@ -183,25 +182,19 @@ class Formula:
 
 def _fused(name: str, qualified: str) -> Formula:
     fused = FUSED[qualified]
-    return Formula(name, f"diffusers' {qualified.rpartition('.')[2]} (cudnorm.diffusers)", fused.forward,
-                   functools.partial(why_not_fused, fused=fused), reads=("norm",))
+    return Formula(name, fused.forward, functools.partial(why_not_fused, fused=fused), reads=("norm",))
 
 
+# what each computes: its forward's docstring, and docs/patching.md
 _FORMULA_LIST = (
-    Formula("layer_norm", "torch.nn.LayerNorm's forward: cudnorm.LayerNorm's", LayerNorm.forward, _never),
-    Formula("rms_norm", "torch.nn.RMSNorm's forward: cudnorm.RMSNorm's", RMSNorm.forward, _never),
-    Formula("llama_rms_norm", "weight * x_hat.to(x.dtype), x_hat in fp32 (Llama)", _llama_rms_norm,
-            _why_not_weighted),
-    Formula("fp32_rms_norm", "(weight * x_hat).to(x.dtype) in fp32 (OLMo 2, ChatGLM)", _fp32_rms_norm,
-            functools.partial(_why_not_weighted, weight_optional=True)),
-    Formula("gemma_rms_norm", "(x_hat * (1 + weight)).to(x.dtype) in fp32 (Gemma)", _gemma_rms_norm,
-            _why_not_weighted, methods=("forward", "_norm")),
-    Formula("t5_rms_norm", "weight * x_hat, x_hat in fp32 cast to a half weight's dtype (T5)", _t5_rms_norm,
-            _why_not_t5),
-    Formula("cohere_layer_norm", "(weight * LayerNorm(x) without bias).to(x.dtype) in fp32 (Cohere)",
-            _cohere_layer_norm, functools.partial(_why_not_weighted, weight_dims=(1, 2))),
-    Formula("fp32_layer_norm", "F.layer_norm of x and the parameters in fp32, cast to x's dtype (diffusers)",
-            _fp32_layer_norm, _never),
+    Formula("layer_norm", LayerNorm.forward, _never),  # torch.nn.LayerNorm's forward
+    Formula("rms_norm", RMSNorm.forward, _never),  # torch.nn.RMSNorm's forward
+    Formula("llama_rms_norm", _llama_rms_norm, _why_not_weighted),
+    Formula("fp32_rms_norm", _fp32_rms_norm, functools.partial(_why_not_weighted, weight_optional=True)),
+    Formula("gemma_rms_norm", _gemma_rms_norm, _why_not_weighted, methods=("forward", "_norm")),
+    Formula("t5_rms_norm", _t5_rms_norm, _why_not_t5),
+    Formula("cohere_layer_norm", _cohere_layer_norm, functools.partial(_why_not_weighted, weight_dims=(1, 2))),
+    Formula("fp32_layer_norm", _fp32_layer_norm, _never),
     *(_fused(name, classes[0]) for name, classes in _patch_table.CLASSES.items() if classes[0] in FUSED),
 )
 #: formula name -> :class:`Formula`: the names :func:`register` takes
@@ -233,8 +226,6 @@ def register(cls: type | str, how: str) -> None:
 
 
 # ---------------------------------------------------------------- deciding a module
-
-
 
 def _label(cls: type) -> str:
     """``torch.nn.LayerNorm`` for torch's classes, else the module-qualified name
@@ -272,7 +263,7 @@ def _why_unknown(cls: type) -> str:
     if known is not None:
         return known
     if any(name.rpartition(".")[2] == cls.__name__ for name in _BY_NAME) or any(
-            known.__name__ == cls.__name__ for known in _BY_CLASS):
+            registered.__name__ == cls.__name__ for registered in _BY_CLASS):
         return (f"not the registered class of that name ({qualified_name(cls)} is another class, e.g. remote "
                 "code): cudnorm matches classes, not names")
     return "no cudnorm formula is registered for this class (cudnorm.patching.register adds one)"
