@@ -40,9 +40,9 @@ def forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, h, stats)`` for ``x, residual: [M, N]`` of one dtype; ``weight``/``bias``:
     ``[N]`` fp32 or x's dtype, or None (``bias`` ignored when ``rms``). ``stats`` is empty
-    (``[k, 0]``) with ``training=False``."""
+    (``[k, 0]``) with ``training=False``; no rows (``M = 0``) take PyTorch's path."""
     op = _OPS[rms]
-    if _runtime.route(x) is None and (not offset or offset in op.cudnn_offsets):
+    if x.shape[0] and _runtime.route(x) is None and (not offset or offset in op.cudnn_offsets):
         out = _cudnn_forward(x, residual, weight, bias, eps, training, op, offset)
         if out is not None:
             y, h, stats = out
@@ -153,7 +153,7 @@ def _make_backward(backward_fn):
 
     def backward_(ctx, dy, dh, _dstats=None):
         h, weight, stats = ctx.saved_tensors
-        if stats.numel() == 0:
+        if stats.numel() == 0 and h.numel():  # an empty h has empty statistics in training too
             raise RuntimeError(f"cudnorm.{_OPS[ctx.rms].name}: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
         if dy is None and dh is None:

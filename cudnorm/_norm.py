@@ -204,15 +204,16 @@ def implement(op: NormOp) -> Implementation:
 
     def forward(x, weight, bias, eps, training, offset=0.0):
         """``(y [M, N] x.dtype, stats)`` of ``x: [M, N]``; ``stats`` in the op's layout (module
-        docstring), empty with ``training=False`` (the inference graph writes none)."""
-        if _runtime.route(x) is None:
+        docstring), empty with ``training=False`` (the inference graph writes none). No rows
+        (``M = 0``): PyTorch's path, which returns the empty results cuDNN has no graph for."""
+        if x.shape[0] and _runtime.route(x) is None:
             y, stats = gpu_forward(x, weight, bias, eps, training, offset)
             return y, stats if training else x.new_empty(no_stats, dtype=_F32)
         return torch_forward(x, weight, bias, eps, training, offset)
 
     def infer(x, weight, bias, eps, offset=0.0):
         """Eager inference: ``y`` only (no empty statistics tensor to allocate)."""
-        if _runtime.route(x) is None:
+        if x.shape[0] and _runtime.route(x) is None:
             return gpu_forward(x, weight, bias, eps, False, offset)[0]
         return torch_forward(x, weight, bias, eps, False, offset)[0]
 
@@ -287,7 +288,7 @@ def implement(op: NormOp) -> Implementation:
         gradients, half-precision weights what PyTorch's own backward gives them. With an
         offset the graph reads ``weight + offset``; dW is unchanged by it."""
         wdtype = _dispatch.backward_scale_dtype(weight)
-        if _runtime.route(x) is None and (not offset or offset in cudnn_offsets):
+        if x.shape[0] and _runtime.route(x) is None and (not offset or offset in cudnn_offsets):
             x, plan = _call_plans.rows_plan(name, "bwd", x, wdtype, offset != 0.0)
             if plan is not None:
                 n = x.shape[1]
@@ -349,7 +350,7 @@ def implement(op: NormOp) -> Implementation:
 
         def backward_(ctx, dy):
             x, weight, stats = ctx.saved_tensors
-            if stats.numel() == 0:
+            if stats.numel() == 0 and x.numel():  # an empty x has empty statistics in training too
                 raise RuntimeError(f"cudnorm.{name}: backward through an inference-phase forward "
                                    "(the forward ran without grad mode, so no statistics were saved)")
             if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable

@@ -52,9 +52,10 @@ def _forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: flo
 def _run_forward(x, scale, shift, eps, dit, training):
     """``(y, stats)`` from the first strategy that serves the call (``stats`` ``None`` when not
     training: eager inference allocates no empty statistics). A call repeating an earlier
-    call's signature takes the strategy and plan it found from :data:`_forward_plans`."""
+    call's signature takes the strategy and plan it found from :data:`_forward_plans`. An
+    empty ``x`` takes PyTorch's path, which returns the empty results cuDNN has no graph for."""
     dtype = strategies.forward_dtype(x, scale, shift)
-    if _runtime.route(x) is None:
+    if x.numel() and _runtime.route(x) is None:
         b, s, d = x.shape
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         signature = (x2.shape, x2.stride(0), x2.dtype, x2.get_device(), b, dtype, training)
@@ -99,7 +100,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, stats
     conventions (``d(1 + scale) / dscale = 1``).
     """
     b, s, d = x.shape
-    if _runtime.route(x) is None:
+    if x.numel() and _runtime.route(x) is None:  # an empty x: PyTorch's path, as in the forward
         x2 = _dispatch.cudnn_rows(x.reshape(b * s, d))
         dy2 = _dispatch.packed(dy.reshape(b * s, d))
         args = (dy2, x2, b, scale, stats, one_plus_scale, shift_dtype)
@@ -175,7 +176,7 @@ def _make_backward(backward_fn):
 
     def backward(ctx, dy):
         x, scale, stats = ctx.saved_tensors
-        if stats.numel() == 0:
+        if stats.numel() == 0 and x.numel():  # an empty x has empty statistics in training too
             raise RuntimeError("cudnorm.ada_layer_norm: backward through an inference-phase forward "
                                "(the forward ran without grad mode, so no statistics were saved)")
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
@@ -290,7 +291,7 @@ def python_ada_layer_norm(input, scale, shift, eps, one_plus_scale):
         return _torch_ops(input, scale, shift, eps, one_plus_scale)
     b, d = input.shape[0], input.shape[-1]
     flat = input.dim() == 3  # the common case needs no reshapes
-    x = input if flat else input.reshape(b, -1, d)
+    x = input if flat else input.reshape(b, math.prod(input.shape[1:-1]), d)  # not -1: B may be 0
     sc = scale if scale.dim() == 2 else scale.reshape(b, d)
     sh = shift if shift.dim() == 2 else shift.reshape(b, d)
     training = torch.is_grad_enabled() and (input.requires_grad or scale.requires_grad or shift.requires_grad)

@@ -27,18 +27,24 @@ fp32). The conditioning is cast to the linear layer's dtype before it: diffusers
 and both give the same numbers wherever diffusers' call runs; the cast lets a bf16 module
 take fp32 conditioning as well.
 
-This module never imports diffusers. :func:`from_diffusers` (used by :func:`cudnorm.patch`)
-turns a diffusers module into the matching class here, holding the same parameters.
+The forwards of these classes read only attributes that diffusers' classes of the same names
+have too, so :func:`cudnorm.patch` runs them on diffusers' own modules (:data:`FUSED`, with the
+forwards of ``CogVideoXLayerNormZero``, ``AdaLayerNormShift`` and ``SanaModulatedNorm``);
+:func:`from_diffusers` builds the class here around a diffusers module's children. This module
+never imports diffusers.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from . import _checks
+from ._patch_table import qualified_name
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .modules import LayerNorm, RMSNorm
@@ -153,6 +159,18 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     return layer_norm(x, d, gain, shift, eps)
 
 
+def _chunks(cls: str, module: torch.nn.Module, x, x_arg: str, emb, count: int) -> tuple[torch.Tensor, ...]:
+    """``count`` chunks ``[B, D]`` of ``module.linear(module.silu(emb))`` after checking the
+    forward's ``x`` (argument ``x_arg``)."""
+    _input(cls, x_arg, x)
+    return _project(cls, "emb", module.linear, module.silu, emb).chunk(count, dim=1)
+
+
+def _modulate(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``norm(x) * (1 + scale) + shift`` for ``[B, D]`` chunks, one fused op."""
+    return _modulated_layer_norm(x, scale[:, None], shift[:, None], norm.eps, norm.weight, norm.bias)
+
+
 def _modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, norm: torch.nn.RMSNorm
                         ) -> torch.Tensor:
     """diffusers' ``RMSNorm(x) * (1 + scale) + shift``: the norm on :func:`rms_norm`, the
@@ -229,7 +247,9 @@ class _TimestepLabelEmbedding(torch.nn.Module):
 
 class _AdaLayerNormZeroBase(torch.nn.Module):
     """``emb -> SiLU -> Linear(D, chunks * D)`` and a non-affine LayerNorm ``norm``; the
-    subclasses chunk the projection and modulate with it."""
+    subclasses' forwards chunk the projection and modulate with it, reading only attributes
+    that diffusers' classes of the same names have too (``cudnorm.patch`` runs them on
+    diffusers' own modules)."""
 
     _CHUNKS = 0
     _EPS = {"layer_norm": 1e-6}  # norm_type -> the eps diffusers' norm of that type uses
@@ -245,15 +265,6 @@ class _AdaLayerNormZeroBase(torch.nn.Module):
         self.silu = torch.nn.SiLU()
         self.linear = torch.nn.Linear(dim, self._CHUNKS * dim, bias=bias)
         self.norm = LayerNorm(dim, eps=eps, elementwise_affine=False)
-
-    def _chunks(self, x, emb, x_arg: str = "x") -> tuple[torch.Tensor, ...]:
-        name = type(self).__name__
-        _input(name, x_arg, x)
-        return _project(name, "emb", self.linear, self.silu, emb).chunk(self._CHUNKS, dim=1)
-
-    def _modulate(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        norm = self.norm
-        return _modulated_layer_norm(x, scale[:, None], shift[:, None], norm.eps, norm.weight, norm.bias)
 
 
 class AdaLayerNormZero(_AdaLayerNormZeroBase):
@@ -295,8 +306,9 @@ class AdaLayerNormZero(_AdaLayerNormZeroBase):
         """``(modulated x [B, S, D], gate_msa, shift_mlp, scale_mlp, gate_mlp)`` (see the class)."""
         if self.emb is not None:
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self._chunks(x, emb)
-        return self._modulate(x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+        chunks = _chunks("AdaLayerNormZero", self, x, "x", emb, 6)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+        return _modulate(self.norm, x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class AdaLayerNormZeroSingle(_AdaLayerNormZeroBase):
@@ -315,8 +327,8 @@ class AdaLayerNormZeroSingle(_AdaLayerNormZeroBase):
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(modulated x [B, S, D], gate_msa [B, D])``."""
-        shift_msa, scale_msa, gate_msa = self._chunks(x, emb)
-        return self._modulate(x, scale_msa, shift_msa), gate_msa
+        shift_msa, scale_msa, gate_msa = _chunks("AdaLayerNormZeroSingle", self, x, "x", emb, 3)
+        return _modulate(self.norm, x, scale_msa, shift_msa), gate_msa
 
 
 class SD35AdaLayerNormZeroX(_AdaLayerNormZeroBase):
@@ -338,10 +350,11 @@ class SD35AdaLayerNormZeroX(_AdaLayerNormZeroBase):
     def forward(self, hidden_states: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``(modulated [B, S, D], gate_msa, shift_mlp, scale_mlp, gate_mlp, modulated2 [B, S, D],
         gate_msa2)``, the gates/shifts/scales ``[B, D]``."""
-        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_msa2, scale_msa2, gate_msa2) = self._chunks(hidden_states, emb, "hidden_states")
-        return (self._modulate(hidden_states, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
-                self._modulate(hidden_states, scale_msa2, shift_msa2), gate_msa2)
+        chunks = _chunks("SD35AdaLayerNormZeroX", self, hidden_states, "hidden_states", emb, 9)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = chunks
+        norm = self.norm
+        return (_modulate(norm, hidden_states, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+                _modulate(norm, hidden_states, scale_msa2, shift_msa2), gate_msa2)
 
 
 # ---------------------------------------------------------------- continuous and plain AdaLN
@@ -385,8 +398,8 @@ class AdaLayerNormContinuous(torch.nn.Module):
         _input("AdaLayerNormContinuous", "x", x)
         scale, shift = _project("AdaLayerNormContinuous", "conditioning_embedding", self.linear, self.silu,
                                 conditioning_embedding).chunk(2, dim=1)
-        norm = self.norm
-        if isinstance(norm, torch.nn.RMSNorm):
+        norm = self.norm  # an RMSNorm: this class's, or diffusers' own in a patched diffusers module
+        if not isinstance(norm, torch.nn.LayerNorm):
             return _modulated_rms_norm(x, scale[:, None, :], shift[:, None, :], norm)
         return _modulated_layer_norm(x, scale[:, None, :], shift[:, None, :], norm.eps, norm.weight, norm.bias)
 
@@ -446,28 +459,102 @@ class AdaLayerNorm(torch.nn.Module):
         return _modulated_layer_norm(x, scale, shift, norm.eps, norm.weight, norm.bias)
 
 
-# ---------------------------------------------------------------- from a diffusers module
+# ---------------------------------------------------------------- forwards of diffusers' other classes
 
+def _cogvideox_layer_norm_zero(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                               temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``CogVideoXLayerNormZero.forward`` (CogVideoX, ConsisID) on cudnorm: ``temb [B, C]``
+    projects to the shift, scale and gate of the video tokens ``hidden_states [B, S, D]`` and of
+    the text tokens ``encoder_hidden_states [B, T, D]``; each modulated LayerNorm is one
+    :func:`cudnorm.ada_layer_norm` call (the norm's affine weight and bias folded in). Returns
+    ``(hidden_states, encoder_hidden_states, gate [B, 1, D], enc_gate [B, 1, D])``."""
+    cls = "CogVideoXLayerNormZero"
+    _input(cls, "encoder_hidden_states", encoder_hidden_states)
+    shift, scale, gate, enc_shift, enc_scale, enc_gate = _chunks(cls, self, hidden_states, "hidden_states", temb, 6)
+    norm = self.norm
+    return (_modulate(norm, hidden_states, scale, shift), _modulate(norm, encoder_hidden_states, enc_scale, enc_shift),
+            gate[:, None, :], enc_gate[:, None, :])
+
+
+def _ada_layer_norm_shift(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``AdaLayerNormShift.forward`` (HunyuanDiT) on cudnorm: the fp32 LayerNorm of
+    ``x [B, S, D]`` plus a per-sample shift ``linear(silu(emb))`` (the SiLU in fp32, as diffusers
+    computes it), one :func:`cudnorm.ada_layer_norm` call with the norm's weight as the gain.
+    Returns the promotion of ``x``'s and the shift's dtypes, as diffusers' sum does."""
+    cls = "AdaLayerNormShift"
+    _input(cls, "x", x)
+    shift = self.linear(self.silu(_input(cls, "emb", emb).to(torch.float32)).to(emb.dtype))
+    norm = self.norm
+    return _modulated_layer_norm(x, torch.zeros_like(shift)[:, None], shift[:, None], norm.eps, norm.weight, norm.bias)
+
+
+def _sana_modulated_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                         scale_shift_table: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``SanaModulatedNorm.forward`` (Sana's output norm) on cudnorm: the per-sample
+    shift and scale ``scale_shift_table [2, D] + temb [B, D]`` modulate the LayerNorm of
+    ``hidden_states [B, S, D]`` in one :func:`cudnorm.ada_layer_norm` call."""
+    _input("SanaModulatedNorm", "hidden_states", hidden_states)
+    shift, scale = (scale_shift_table[None] + temb[:, None].to(scale_shift_table.device)).chunk(2, dim=1)
+    norm = self.norm
+    return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+# ---------------------------------------------------------------- diffusers' modules on these forwards
+
+class Fused(NamedTuple):
+    """How a diffusers class runs on cudnorm: ``forward(module, ...)`` computes the class's
+    forward from the module's own children (``children``; the call of ``norm`` is replaced by
+    reading its parameters) for a norm of a kind in ``norms``: ``"layer_norm"``
+    (``nn.LayerNorm``, diffusers' ``FP32LayerNorm``) or ``"rms_norm"`` (diffusers' ``RMSNorm``
+    without a bias), over the last dim."""
+
+    forward: Callable
+    children: frozenset[str]
+    norms: tuple[str, ...] = ("layer_norm",)
+
+
+_NORMALIZATION = "diffusers.models.normalization"
+_ADALN = frozenset(("silu", "linear", "norm"))
+#: diffusers class (module-qualified name) -> how it runs on cudnorm (:func:`cudnorm.patch`)
+FUSED = {
+    f"{_NORMALIZATION}.AdaLayerNormZero": Fused(AdaLayerNormZero.forward, _ADALN | {"emb"}),
+    f"{_NORMALIZATION}.AdaLayerNormZeroSingle": Fused(AdaLayerNormZeroSingle.forward, _ADALN),
+    f"{_NORMALIZATION}.SD35AdaLayerNormZeroX": Fused(SD35AdaLayerNormZeroX.forward, _ADALN),
+    f"{_NORMALIZATION}.AdaLayerNormContinuous": Fused(AdaLayerNormContinuous.forward, _ADALN,
+                                                      ("layer_norm", "rms_norm")),
+    f"{_NORMALIZATION}.AdaLayerNorm": Fused(AdaLayerNorm.forward, _ADALN | {"emb"}),
+    f"{_NORMALIZATION}.CogVideoXLayerNormZero": Fused(_cogvideox_layer_norm_zero, _ADALN),
+    "diffusers.models.transformers.hunyuan_transformer_2d.AdaLayerNormShift": Fused(_ada_layer_norm_shift, _ADALN),
+    "diffusers.models.transformers.sana_transformer.SanaModulatedNorm": Fused(_sana_modulated_norm,
+                                                                             frozenset(("norm",))),
+}
+# the classes of this file, by the name of the diffusers class each mirrors
 _MIRRORS = {cls.__name__: cls for cls in (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero,
                                           AdaLayerNormZeroSingle, SD35AdaLayerNormZeroX)}
-_CHILDREN = {"emb", "silu", "linear", "norm"}
 
 
-def _cudnorm_norm(norm) -> torch.nn.Module | None:
-    """cudnorm's LayerNorm/RMSNorm holding the parameters (the same objects) of diffusers'
-    ``nn.LayerNorm``, non-affine ``FP32LayerNorm`` or ``RMSNorm`` without a bias; or None."""
-    name = type(norm).__name__
-    if (isinstance(norm, torch.nn.LayerNorm) and len(norm.normalized_shape) == 1
-            and (name == "LayerNorm" or (name == "FP32LayerNorm" and norm.weight is None))):
-        new = LayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.elementwise_affine,
-                        bias=norm.bias is not None, device="meta")
-        new.weight, new.bias = norm.weight, norm.bias
-        return new
-    if (name == "RMSNorm" and type(norm).__module__.startswith("diffusers.") and getattr(norm, "bias", None) is None
-            and len(getattr(norm, "dim", ())) == 1 and isinstance(getattr(norm, "eps", None), float)):
-        new = RMSNorm(norm.dim, eps=norm.eps, elementwise_affine=norm.weight is not None, device="meta")
-        new.weight = norm.weight
-        return new
+def _norm_kind(norm) -> str | None:
+    """``"layer_norm"``, ``"rms_norm"`` (see :class:`Fused`) or None. A norm ``cudnorm.patch``
+    swapped already names its original class in ``_cudnorm_unpatched``."""
+    cls = getattr(type(norm), "_cudnorm_unpatched", type(norm))
+    if cls is torch.nn.LayerNorm or qualified_name(cls) == f"{_NORMALIZATION}.FP32LayerNorm":
+        return "layer_norm" if len(norm.normalized_shape) == 1 else None
+    if qualified_name(cls) == f"{_NORMALIZATION}.RMSNorm" and norm.bias is None and len(norm.dim) == 1:
+        return "rms_norm"
+    return None
+
+
+def why_not_fused(module: torch.nn.Module, fused: Fused) -> str | None:
+    """Why ``module``, of a class of :data:`FUSED`, cannot run ``fused.forward`` (its children
+    or its norm are not what its class builds), or None."""
+    children = dict(module.named_children())
+    if not set(children) <= fused.children or "norm" not in children:
+        return f"children {sorted(children)} where its class builds {sorted(fused.children)}"
+    norm = children["norm"]
+    if _norm_kind(norm) not in fused.norms:
+        return f"its norm is a {qualified_name(type(norm))}, which cudnorm does not fuse into it"
+    if getattr(module, "chunk_dim", 0) not in (0, 1):  # diffusers' AdaLayerNorm
+        return f"chunk_dim={module.chunk_dim!r}, where diffusers' AdaLayerNorm takes 0 or 1"
     return None
 
 
@@ -480,30 +567,28 @@ def from_diffusers(module: torch.nn.Module) -> torch.nn.Module | None:
             (exact classes: a subclass may change the forward).
 
     Returns:
-        The new module holds ``module``'s own ``linear``, ``silu`` and ``emb`` submodules
-        (LoRA layers and hooks on them keep working) and a cudnorm norm holding the norm's
-        parameters, so its ``state_dict`` has the same keys, order and tensors. ``None`` for
-        any other module, or one whose children or norm are not what the class builds.
+        A new module holding ``module``'s own children (``linear``, ``silu``, ``emb`` and
+        ``norm``, whose parameters it reads), so its ``state_dict`` has the same keys, order
+        and tensors. ``None`` for any other module, or one whose children or norm are not what
+        the class builds. (:func:`cudnorm.patch` keeps diffusers' module itself, with its
+        hooks, and swaps its class.)
     """
     kind = type(module)
-    cls = _MIRRORS.get(kind.__name__) if kind.__module__.startswith("diffusers.") else None
-    children = dict(module.named_children()) if cls is not None else {}
-    norm = _cudnorm_norm(children.get("norm"))
-    if norm is None or not set(children) <= _CHILDREN or not isinstance(children.get("linear"), torch.nn.Module):
+    fused, cls = FUSED.get(qualified_name(kind)), _MIRRORS.get(kind.__name__)
+    if cls is None or fused is None or why_not_fused(module, fused) is not None:
         return None
-    if cls is AdaLayerNorm and getattr(module, "chunk_dim", None) not in (0, 1):
-        return None
-    has_emb = 1 if children.get("emb") is not None else None
-    with torch.device("meta"):  # sizes only: every parameter is replaced by module's own
-        dim = norm.normalized_shape[0]
+    children = dict(module.named_children())
+    norm = children["norm"]
+    dim = norm.normalized_shape[0] if isinstance(norm, torch.nn.LayerNorm) else norm.dim[0]
+    with torch.device("meta"):  # sizes only: every child is replaced by module's own
         if cls is AdaLayerNormContinuous:
             new = cls(dim, 1)
         elif cls in (AdaLayerNormZero, AdaLayerNorm):
-            new = cls(dim, has_emb)
+            new = cls(dim, 1 if "emb" in children else None)
         else:
             new = cls(dim)
     for name, child in children.items():
-        setattr(new, name, norm if name == "norm" else child)
+        setattr(new, name, child)
     if cls is AdaLayerNorm:
         new.chunk_dim = module.chunk_dim
     mine, theirs = new.state_dict(keep_vars=True), module.state_dict(keep_vars=True)

@@ -1,13 +1,14 @@
 # %% [markdown]
 # # 60 · Patching a transformers model
 #
-# `cudnorm.patch(model)` swaps, in place, the norms of a PyTorch, transformers or diffusers
-# model for cudnorm's modules: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, transformers'
-# Llama-family RMSNorms (Llama, Mistral, Mixtral, Qwen2/3, Phi-3), Gemma's, T5's LayerNorm and
-# its copies, diffusers' RMSNorm and AdaLN classes. The new modules hold the **same
-# `Parameter` objects**, so state_dict keys, tied weights, optimizer state and
-# `save_pretrained` / `from_pretrained` are untouched. It returns a report of what it swapped
-# and what it left, with the reason.
+# `cudnorm.patch(model)` makes the norms of a PyTorch, transformers or diffusers model run
+# cudnorm's ops, in place: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, 185 transformers
+# norm classes (Llama's family, Gemma's, OLMo 2's, T5's, Cohere's, ...) and diffusers' RMSNorm
+# and AdaLN classes (docs/patching.md lists them). It swaps the computation,
+# not the module: each norm stays **the same object** with the same parameters and hooks and
+# gets a subclass of its class whose forward runs cudnorm, so state_dict keys, tied weights,
+# optimizer state and `save_pretrained` / `from_pretrained` are untouched. It returns a report
+# of what it swapped and what it left, with the reason.
 #
 # **The math** of Llama's RMSNorm, per row $x \in \mathbb{R}^N$, in fp32 and then cast back
 # to the input's dtype before the weight:
@@ -52,9 +53,11 @@ with torch.no_grad():
 
 # %%
 keys = list(model.state_dict())
+norm = model.model.layers[0].input_layernorm
 report = cudnorm.patch(model)
 print(report)
-print(model.model.layers[0].input_layernorm)
+print(norm, "is a", type(norm).__mro__[1].__name__, "running", type(norm)._cudnorm_formula.name)
+assert model.model.layers[0].input_layernorm is norm  # the same module, its class swapped
 assert list(model.state_dict()) == keys  # checkpoints load as before
 
 # %% [markdown]
@@ -88,8 +91,8 @@ print("round trip through save_pretrained / from_pretrained: equal")
 # %% [markdown]
 # ## Gemma: a weight offset
 #
-# Gemma's RMSNorm scales by $(1 + w)$ and keeps its weights around zero. `patch` swaps it for
-# `GemmaStyleRMSNorm`, which calls `cudnorm.rms_norm(..., weight_offset=1.0)`: the offset is
+# Gemma's RMSNorm scales by $(1 + w)$ and keeps its weights around zero. `patch` runs it on
+# the formula `gemma_rms_norm`, which calls `cudnorm.rms_norm(..., weight_offset=1.0)`: the offset is
 # added inside cuDNN's graph in fp32, as Gemma adds it, with no extra kernel. The logits
 # match the unpatched model.
 
@@ -118,8 +121,8 @@ assert torch.allclose(after, before, rtol=1e-4, atol=1e-4)
 # casts $\hat x$ to the weight's dtype before multiplying, so it returns the **weight's**
 # dtype. That matters in a bf16 T5: `from_pretrained(..., dtype=torch.bfloat16)` keeps the
 # `wo` layers in fp32, the residual stream becomes fp32, and the norms get fp32 input with
-# bf16 weights and return bf16. `patch` swaps T5's norms (and mT5's, UMT5's, LongT5's, ...)
-# for `T5StyleRMSNorm`, which returns T5's dtype for every pair of weight and input dtypes.
+# bf16 weights and return bf16. `patch` runs T5's norms (and mT5's, UMT5's, LongT5's, ...) on
+# the formula `t5_rms_norm`, which returns T5's dtype for every pair of weight and input dtypes.
 
 # %%
 torch.manual_seed(0)
@@ -141,16 +144,15 @@ assert torch.allclose(after, before, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
 # One norm with a bf16 weight on fp32 input, before and after patching: both return bf16.
-# Tolerance: T5 rounds $\hat x$ to bf16 and then the product; `T5StyleRMSNorm` computes in
-# fp32 and rounds once, so they differ by about one bf16 step ($2^{-8}$ relative).
+# Tolerance: T5 rounds $\hat x$ to bf16 and then the product; cudnorm computes in fp32 and
+# rounds once, so they differ by about one bf16 step ($2^{-8}$ relative).
 
 # %%
 norm = transformers.models.t5.modeling_t5.T5LayerNorm(64).to(device, torch.bfloat16)
 x = torch.randn(4, 64, device=device)
 want = norm(x)
-holder = torch.nn.Sequential(norm)
-cudnorm.patch(holder)
-got = holder[0](x)
-print(type(holder[0]).__name__, "returns", got.dtype, "| T5LayerNorm returns", want.dtype)
+print(cudnorm.patch(norm))  # a single norm patches too
+got = norm(x)
+print("patched returns", got.dtype, "| T5LayerNorm returned", want.dtype)
 assert got.dtype == want.dtype == torch.bfloat16
 torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
