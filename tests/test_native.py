@@ -1,0 +1,205 @@
+"""The Python side of the native launch path (cudnorm._native), on a CPU: what a call signature
+resolves to (the recipes C++ executes), the Python fallbacks' argument conventions C++ relies
+on, the build directory's key, and what happens when the native path cannot be built.
+
+The C++ itself runs on the GPU (tests/test_native_gpu.py). Here plans come from the emulated
+cuDNN path (tests/emulated_cudnn.py) and get fake ids in place of the C++ table's.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import emulated_cudnn as emu
+
+import cudnorm
+from cudnorm import _entry, _native, _runtime
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def resolve(monkeypatch):
+    """``resolve(kind, x, ints, floats)`` -> the parsed recipe, on emulated plans."""
+    ids = {}
+    monkeypatch.setattr(_native, "plan_id", lambda plan: ids.setdefault(id(plan), len(ids) + 1))
+    saved = emu.install()
+
+    def run(kind, x, ints, floats=(0.0,)):
+        out = _native.resolve(kind, x, list(ints), list(floats))
+        cacheable, mode, dtype_code, fused, overlap, count, *launches = out
+        assert len(launches) == 3 * count
+        return {"cacheable": bool(cacheable), "mode": mode, "dtype": _native._DTYPES[dtype_code],
+                "fused": bool(fused), "overlap": overlap,
+                "launches": [tuple(launches[3 * k:3 * k + 3]) for k in range(count)]}
+
+    yield run
+    emu.uninstall(saved)
+    cudnorm.clear_cache()
+
+
+def _code(dtype):
+    return -1 if dtype is None else _native._CODES[dtype]
+
+
+def _norm_forward(rms=False, training=True, add=False, weight=BF16, bias=BF16, offset=0.0):
+    return [int(rms), int(training), int(add), _code(weight), _code(None if rms else bias)], [offset]
+
+
+def test_an_exact_plan_is_one_launch(resolve):
+    x = torch.randn(64, 256, dtype=BF16)
+    recipe = resolve("norm_fwd", x, *_norm_forward())
+    assert recipe["mode"] == _native.SINGLE and recipe["cacheable"] and recipe["dtype"] is BF16
+    assert [launch[1:] for launch in recipe["launches"]] == [(0, 64)]
+
+
+def test_fp32_weights_are_read_in_the_activation_dtype_unless_native(resolve):
+    x = torch.randn(64, 256, dtype=BF16)
+    assert resolve("norm_fwd", x, *_norm_forward(weight=torch.float32, bias=torch.float32))["dtype"] is BF16
+    cudnorm.config(fp32_weight_fwd="native")
+    assert resolve("norm_fwd", x, *_norm_forward(weight=torch.float32, bias=None))["dtype"] is torch.float32
+
+
+def test_row_chunks_cover_every_row_and_the_remainder_runs_first(resolve):
+    cudnorm.config(exact_rows=0)
+    for phase, kind in (("train", "norm_fwd"), ("bwd", "norm_bwd")):
+        x = torch.randn(5001, 256, dtype=BF16)
+        ints, floats = _norm_forward() if kind == "norm_fwd" else ([0, _code(BF16)], [0.0])
+        recipe = resolve(kind, x, ints, floats)
+        assert recipe["mode"] == _native.CHUNKED and recipe["overlap"] > 0, (phase, recipe)
+        covered = set()
+        for _, start, rows in recipe["launches"]:
+            covered |= set(range(start, start + rows))
+        assert covered == set(range(5001))
+        _, start, rows = recipe["launches"][0]
+        assert start + rows == 5001  # the overlapping chunk ends at row M
+
+
+def test_too_few_rows_for_a_chunk_run_pytorchs_kernels(resolve):
+    cudnorm.config(exact_rows=0)
+    x = torch.randn(7, 256, dtype=BF16)
+    assert resolve("norm_fwd", x, *_norm_forward())["mode"] == _native.ATEN
+    assert resolve("norm_bwd", x, [1, _code(BF16)], [0.0])["mode"] == _native.PYTHON  # the fp32 formula
+
+
+def test_weight_offsets_cudnn_does_not_take_run_python(resolve):
+    x = torch.randn(64, 256, dtype=BF16)
+    assert resolve("norm_fwd", x, *_norm_forward(rms=True, offset=1.0))["mode"] == _native.SINGLE
+    assert resolve("norm_fwd", x, *_norm_forward(rms=True, offset=0.5))["mode"] == _native.PYTHON
+    assert resolve("norm_bwd", x, [1, _code(BF16)], [0.5])["mode"] == _native.PYTHON
+
+
+def test_residual_add_is_fused_up_to_the_measured_width(resolve):
+    narrow, wide = torch.randn(64, 256, dtype=BF16), torch.randn(64, 8192, dtype=BF16)
+    assert resolve("norm_fwd", narrow, *_norm_forward(add=True))["fused"]
+    recipe = resolve("norm_fwd", wide, *_norm_forward(add=True))  # LayerNorm fuses up to 4096 columns
+    assert recipe["mode"] == _native.SINGLE and not recipe["fused"]
+
+
+@pytest.mark.parametrize("batch, backward", [(2, _native.SINGLE), (16, _native.PER_SAMPLE)])
+def test_adaln_strategies_follow_the_rules(resolve, batch, backward):
+    x2 = torch.randn(batch * 256, 64, dtype=BF16)
+    forward = resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])
+    assert forward["mode"] == _native.SINGLE
+    assert resolve("ada_bwd", x2, [batch, _code(BF16), 1], [])["mode"] == backward
+    cudnorm.config(ada_forward="torch")
+    assert resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])["mode"] == _native.PYTHON
+
+
+def test_fallbacks_take_the_arguments_cpp_passes():
+    """cudnorm/csrc calls _kernel_py / _composite_py with these lists (norm.cpp, ada.cpp,
+    entry.cpp, autograd.cpp): each must compute what the public function computes."""
+    x, r = torch.randn(8, 64), torch.randn(8, 64)
+    w, b = 1 + 0.1 * torch.randn(64), 0.1 * torch.randn(64)
+    y, h, stats = _native._kernel("norm_fwd", [x, r, w, b], [1e-5, 1.0, 0.0, 0.0])
+    torch.testing.assert_close(y, F.layer_norm(x + r, (64,), w, b))
+    torch.testing.assert_close(h, x + r)
+    y, _, rstd = _native._kernel("norm_fwd", [x, None, w, None], [1e-6, 1.0, 1.0, 0.0])
+    dx, dw, db = _native._kernel("norm_bwd", [torch.ones_like(x), x, w, rstd], [1.0, 0.0])
+    assert db.numel() == 0  # RMSNorm: a placeholder where the op has no output
+    (y,) = _native._composite("layer_norm", [x, w, b], [1e-5], [64])
+    torch.testing.assert_close(y, F.layer_norm(x, (64,), w, b))
+    (y,) = _native._composite("rms_norm", [x, w], [0.0, 0.0, 1.0], [64])  # eps None, offset 1
+    torch.testing.assert_close(y, F.rms_norm(x, (64,), None, torch.finfo(x.dtype).eps) * (w + 1))
+    y, h = _native._composite("add_rms_norm", [x, r, w], [1.0, 1e-6, 0.0], [64])
+    torch.testing.assert_close(y, F.rms_norm(x + r, (64,), w, 1e-6))
+    xa, emb = torch.randn(2, 8, 64), 0.1 * torch.randn(2, 128)
+    (y,) = _native._composite("ada_layer_norm", [xa, emb[:, 64:], emb[:, :64]], [1e-6, 1.0], [])
+    torch.testing.assert_close(y, F.layer_norm(xa, (64,), eps=1e-6) * (1 + emb[:, None, 64:]) + emb[:, None, :64])
+
+
+def test_differentiable_gradients_for_create_graph():
+    """What a native node returns under create_graph=True: gradients connected to the graph."""
+    x = torch.randn(8, 64, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(64)).requires_grad_()
+    dy = torch.randn(8, 64)
+    dx, dw, db = _native._composite("layer_norm_grad", [dy, x, w], [1e-5, 0.0], [])
+    want_dx, want_dw = torch.autograd.grad(F.layer_norm(x, (64,), w, None, 1e-5), [x, w], dy, create_graph=True)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, want_dw)
+    assert dx.requires_grad and dw.requires_grad
+    torch.testing.assert_close(db, dy.sum(0))
+
+
+def test_build_directory_names_versions_and_sources(monkeypatch, tmp_path):
+    cudnorm.config(native_dir=str(tmp_path))
+    first = _native.build_directory()
+    assert first.parent == tmp_path and torch.__version__.replace("+", "_") in first.name
+    assert sys.implementation.cache_tag in first.name
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    for path in (*_native._sources(), _native.CSRC / "native.h"):
+        (sources / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(_native, "CSRC", sources)
+    assert _native.build_directory() == first
+    (sources / "plans.cpp").write_text((sources / "plans.cpp").read_text() + "\n// changed\n")
+    assert _native.build_directory() != first
+
+
+@pytest.fixture
+def untried(monkeypatch):
+    """The native path's state as in a fresh process, restored afterwards."""
+    monkeypatch.setattr(_native, "_state", _native._State())
+    monkeypatch.setattr(_entry, "pending", True)
+    monkeypatch.setattr(_entry, "native", False)
+
+
+def test_a_failed_build_warns_once_and_python_serves(untried, monkeypatch):
+    monkeypatch.setattr(_runtime, "cudnn_status", lambda: _runtime.CudnnStatus(True, "ok"))
+
+    def no_compiler(verbose=False):
+        raise _native.Unavailable("no C++ compiler ('c++' not found)", "install g++")
+
+    monkeypatch.setattr(_native, "build", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"native launch path is not available \(no C\+\+ compiler.*Fix: "
+                                            r"install g\+\+.*native='off'"):
+        assert _native.activate() is False
+    assert not _entry.pending and not _entry.native
+    assert _native.activate() is False  # tried once: no second warning, no second build
+    assert _native.status()["state"].startswith("no C++ compiler")
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(cudnorm.layer_norm(x, 32), F.layer_norm(x, (32,)))
+
+
+def test_native_off_is_never_tried(untried, monkeypatch):
+    monkeypatch.setattr(_native, "build", lambda verbose=False: pytest.fail("built with native='off'"))
+    cudnorm.config(native="off")
+    assert _native.activate() is False and not _entry.pending
+    assert _native.status()["state"] == "off (Config.native='off')"
+
+
+def test_cpu_tensors_never_try_the_native_path(untried, monkeypatch):
+    monkeypatch.setattr(_native, "build", lambda verbose=False: pytest.fail("a CPU call built the native path"))
+    cudnorm.layer_norm(torch.randn(4, 32), (32,))
+    assert _entry.pending
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch can build the native path")
+def test_build_command_says_why_it_cannot_build_here():
+    done = subprocess.run([sys.executable, "-m", "cudnorm.cli", "build"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("cudnorm build: the native launch path cannot be built here: this torch is not "
+                                   "a CUDA build. Fix: install a CUDA build of torch")
