@@ -181,5 +181,5 @@ def test_distributed_steps_quick_run_times_every_provider(tmp_path):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = _read_csv(out)
     assert [(r["setup"], r["provider"]) for r in rows] == [
-        (s, p) for s in ("fsdp2", "tp") for p in ("torch", "cudnorm", "cudnorm-cudnn")]
+        (s, p) for s in ("fsdp2", "tp") for p in ("torch", "cudnorm", "cudnorm-cudnn", "torch-again")]
     assert all(r["status"] == "ok" and float(r["ms_per_step"]) > 0 for r in rows), rows
