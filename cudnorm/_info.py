@@ -87,7 +87,7 @@ def _native_status() -> str:
     """The native launch path's state (cudnorm._native.status)."""
     if not torch.cuda.is_available() and _settings.current.native != "off":
         return "not used (no CUDA device)"
-    return _entry.status()["state"] if _entry.status is not None else "not available (cudnorm._native not imported)"
+    return _entry.status()["state"]
 
 
 def _path(reason: str | None) -> str:

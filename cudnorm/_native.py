@@ -94,7 +94,7 @@ def status() -> dict:
         reason = "paused (cuDNN disabled or specs being recorded)"
     else:
         reason = _state.reason
-    return {"active": active, "state": reason if not active else "active", "library": _state.library,
+    return {"active": active, "state": f"active ({_state.library})" if active else reason, "library": _state.library,
             "build_seconds": _state.build_seconds}
 
 
