@@ -37,10 +37,9 @@ import stat
 import struct
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-from . import _graphs, _runtime, _settings
+from . import _graphs, _runtime, _settings, _warn
 from ._spec import NormSpec
 from ._version import __version__
 
@@ -157,7 +156,7 @@ class PlanStore:
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"cudnorm plan store: {message}", RuntimeWarning, stacklevel=3)
+            _warn.warn(f"cudnorm plan store: {message}", RuntimeWarning)
 
     def has(self, spec: NormSpec) -> bool:
         """Whether an entry for ``spec`` exists on this device's fingerprint (not validated:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _warn
 from .diffusers import from_diffusers
 from .modules import LayerNorm, RMSNorm
 from .rms_norm import rms_norm
@@ -282,4 +283,7 @@ def patch(model: torch.nn.Module) -> PatchReport:
         setattr(model.get_submodule(parent_name), child, new)
         report.swapped.append((name, _label(type(module)), _label(type(new))))
         inside = name + "."
+    if not report.swapped:  # a model without supported norms, or one patched already
+        _warn.warn(f"cudnorm.patch: swapped no norm in {type(model).__name__} ({len(report.left)} norm-like "
+                   "module(s) left, listed in the returned report)", RuntimeWarning)
     return report

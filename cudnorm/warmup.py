@@ -17,14 +17,13 @@ import contextlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import _ada_strategies, _cache, _dispatch, _recording, _runtime
+from . import _ada_strategies, _cache, _dispatch, _recording, _runtime, _warn
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -89,9 +88,9 @@ def record_specs(path: str | os.PathLike | None = None):
         yield recording
     recording.specs = _sorted(seen)
     if not recording.specs:
-        warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
-                      f"unavailable: {_runtime.cudnn_status().reason}, only calls the default policy hands to "
-                      "PyTorch's ops, or no cudnorm op ran)", RuntimeWarning, stacklevel=3)
+        _warn.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
+                   f"unavailable: {_runtime.cudnn_status().reason}, only calls the default policy hands to "
+                   "PyTorch's ops, or no cudnorm op ran)", RuntimeWarning)
     if path is not None:
         write_spec_file(path, recording.specs)
 
@@ -257,8 +256,7 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
     specs = resolve(source, batch=batch, seq=seq, dtype=dtype, device=device)
     status = _runtime.cudnn_status()
     if not status.available:
-        warnings.warn(f"cudnorm.warmup: nothing built, cuDNN is unavailable ({status.reason})", RuntimeWarning,
-                      stacklevel=2)
+        _warn.warn(f"cudnorm.warmup: nothing built, cuDNN is unavailable ({status.reason})", RuntimeWarning)
         return [{"spec": s.slug(), "source": "skipped", "plan": "", "seconds": 0.0} for s in specs]
     count = torch.cuda.device_count()
     missing = sorted({s.device_index for s in specs if not 0 <= s.device_index < count})

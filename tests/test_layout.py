@@ -17,7 +17,8 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_lru", "_ops", "_progress", "_settings", "_spec", "_version", "reference"),  # no package imports
+    ("_lru", "_ops", "_progress", "_spec", "_version", "_warn", "reference"),  # no package imports
+    ("_settings",),
     ("_policy", "_recording", "_runtime"),
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
