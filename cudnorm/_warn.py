@@ -32,8 +32,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     frame = sys._getframe(1)
     while frame.f_back is not None and _passed_through(frame.f_code.co_filename):
         frame = frame.f_back
+    # what warnings.warn passes for that frame (no module globals: the source line is read
+    # when the warning is shown, and a `python -c` frame has no loader that can give it)
     module_globals = frame.f_globals
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+                           registry=module_globals.setdefault("__warningregistry__", {}))

@@ -49,6 +49,8 @@ def read_spec_file(path: str | os.PathLike) -> list[NormSpec]:
         data = json.loads(Path(path).read_text())
     except ValueError as exc:
         raise ValueError(f"cudnorm.warmup: {path} is not JSON ({exc})") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise ValueError(f"cudnorm.warmup: {path} is not JSON (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
         raise ValueError(f"cudnorm.warmup: {path} is not a cudnorm spec file (no \"format\": \"{SPEC_FORMAT}\")")
     if data.get("version") != SPEC_VERSION:

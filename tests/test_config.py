@@ -123,8 +123,9 @@ def test_disable_cudnn_is_the_kill_switch():
 
 
 def test_info_shows_the_configuration():
-    with cudnorm.config(exact_rows=3):
-        assert cudnorm.info()["config"] == dataclasses.asdict(cudnorm.get_config())
+    with cudnorm.config(exact_rows=3):  # and the plan store's directory in use (None: the default one)
+        shown = {**dataclasses.asdict(cudnorm.get_config()), "plan_store_dir": cudnorm.plan_store_info()["path"]}
+        assert cudnorm.info()["config"] == shown
         assert cudnorm.info()["config"]["exact_rows"] == 3
 
 
