@@ -96,11 +96,18 @@ def _grouped(bars) -> dict[str, dict[str, float]]:
     return by_case
 
 
+def sorted_cases(bars) -> list[str]:
+    """A panel's cases, best first by :data:`PRIMARY`'s ratio (by the best ratio shown for a
+    case without one)."""
+    by_case = _grouped(bars)
+    return sorted(by_case, key=lambda c: -by_case[c].get(PRIMARY, max(by_case[c].values())))
+
+
 def _draw_panel(ax, bars, colors, band, limits):
     """One panel: each case's bars one under another, cases sorted best first by
     :data:`PRIMARY`, the 1.0 line and the band; returns the band's artist (``None`` without)."""
     by_case = _grouped(bars)
-    cases = sorted(by_case, key=lambda c: -by_case[c].get(PRIMARY, max(by_case[c].values())))
+    cases = sorted_cases(bars)
     y, ticks = 0.0, []
     for case in cases:
         got = [(p, by_case[case][p]) for p in colors if p in by_case[case]]
