@@ -271,9 +271,11 @@ def config(**overrides) -> Config:
     """Change cudnorm's configuration and return the new one; as a context manager, only
     until the end of the block::
 
+        import cudnorm
+
         cudnorm.config(autotune="off")         # from now on
         with cudnorm.config(policy="cudnn"):   # in this block
-            ...
+            print(cudnorm.get_config().policy)
 
     The change takes effect at the call. The configuration is process-wide, not per thread:
     a ``with`` block changes it for every thread while it runs, and threads changing it at

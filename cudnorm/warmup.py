@@ -81,9 +81,14 @@ def record_specs(path: str | os.PathLike | None = None):
 
     Example::
 
+        import torch
+        import cudnorm
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU nothing is recorded (it warns)
+        model = torch.nn.Sequential(cudnorm.LayerNorm(4096), cudnorm.RMSNorm(4096)).to(device, torch.bfloat16)
+        batch = torch.randn(8, 1024, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
         with cudnorm.record_specs("step.json"):
-            loss = model(batch).loss
-            loss.backward()
+            model(batch).float().square().mean().backward()
     """
     recording = Recording()
     with _recording.collecting() as seen:
