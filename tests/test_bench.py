@@ -167,6 +167,7 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
 
 
 
+@pytest.mark.slow  # two processes under torchrun
 def test_distributed_steps_quick_run_times_every_provider(tmp_path):
     """``benchmarks/distributed_steps.py --quick`` under torchrun with 2 gloo processes: FSDP2
     and TP + SP each give a row per provider with a positive step time (the script's

@@ -17,6 +17,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # every model case (test_filter_selects_cases runs a few in the quick tier)
 def test_quick_run_writes_every_case(tmp_path, capsys):
     assert cli.main(["bench", "--models", "--quick", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "models.csv", newline="") as f:

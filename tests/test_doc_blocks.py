@@ -4,8 +4,8 @@ and says where each runs).
 The blocks of one page and tier run in order in a fresh copy of the checkout, as a reader
 would type them there: a ``python`` block as a script, a ``bash`` block as a ``bash -e``
 script (``cudnorm`` and ``python`` are this interpreter and this checkout). Unmarked blocks
-run on the CPU in the quick tier, ``slow`` ones in the slow tier, ``gpu`` ones on a GPU (on
-as many GPUs as a ``--nproc-per-node`` in them asks). The ``ci-setup`` and ``ci-tests``
+run on the CPU, in the slow tier (each starts an interpreter), ``gpu`` ones on a GPU (on as
+many GPUs as a ``--nproc-per-node`` in them asks). The ``ci-setup`` and ``ci-tests``
 blocks install and run the test suite itself, so ``.ci/run`` runs them; here it is checked
 that it does. A block that stops running fails its page's test, naming the block's line.
 """
@@ -37,7 +37,7 @@ def _doc_blocks():
 
 doc_blocks = _doc_blocks()
 BLOCKS = doc_blocks.blocks()
-_RUN_HERE = {"cpu": [], "slow": [pytest.mark.slow], "gpu": [pytest.mark.gpu]}
+_RUN_HERE = {"cpu": [pytest.mark.slow], "gpu": [pytest.mark.gpu]}
 
 
 def _groups():

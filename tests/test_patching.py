@@ -333,6 +333,7 @@ def test_patched_models_round_trip_through_save_pretrained(family, tmp_path):
 COMPILE_BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
 
 
+@pytest.mark.slow  # torch.compile of every model family on the CPU
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_patched_block_matches_eager(family, device):

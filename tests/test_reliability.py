@@ -73,6 +73,7 @@ BAD_ENVIRONMENTS = [
 ]
 
 
+@pytest.mark.slow  # a matrix of subprocesses
 def test_bad_environment_values_warn_and_use_the_defaults():
     """A malformed variable never breaks ``import cudnorm`` or a CLI command: one warning per
     variable names it, the value, what it must be and the default used instead. (The

@@ -3,9 +3,9 @@
 Every ``python`` and ``bash`` block runs (``tests/test_doc_blocks.py``); a ``text`` block is
 output, not code. docs/api.md renders docstrings, so its blocks are the literal blocks
 (``Example::``) of the docstrings it names. A comment on the line before a block's fence
-says where it runs; without one, on the CPU in the quick test tier:
+says where it runs; without one, on the CPU (in the slow test tier: each block starts an
+interpreter, and some run for tens of seconds):
 
-    <!-- doc-test: slow -->      on the CPU, in the slow tier (it takes seconds to minutes)
     <!-- doc-test: gpu -->       on a GPU, in the GPU suite (skipped without CUDA)
     <!-- doc-test: ci-setup -->  by .ci/run, as its install step (a test cannot install into
                                  its own environment)
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("cpu", "slow", "gpu", "ci-setup", "ci-tests")
+KINDS = ("cpu", "gpu", "ci-setup", "ci-tests")
 LANGUAGES = ("python", "bash", "text")
 _FENCE = re.compile(r"^(?:<!-- doc-test: (?P<kind>[\w-]+) -->\n)?```(?P<language>\w*)[^\n]*\n(?P<code>.*?)^```",
                     flags=re.S | re.M)
