@@ -84,12 +84,7 @@ def _bad_spec_files(tmp_path) -> dict[str, str]:
         "unknown field": json.dumps({"format": "cudnorm-specs", "version": 1, "specs": [{**good, "color": 1}]}),
         "missing field": json.dumps({"format": "cudnorm-specs", "version": 1, "specs": [{"op": "layer_norm"}]}),
     }
-    paths = {}
-    for name, text in contents.items():
-        path = tmp_path / f"spec {name}.json"
-        path.write_bytes(text.encode("utf-8", "surrogateescape"))
-        paths[name] = str(path)
-    return paths
+    return _written(tmp_path, "spec {}.json", contents)
 
 
 def _bad_csv_files(tmp_path) -> dict[str, str]:
@@ -99,9 +94,15 @@ def _bad_csv_files(tmp_path) -> dict[str, str]:
                                                    "gbps,pct_copy,speedup,best_peer,bytes\n",
                 "bench row malformed": "op,shape,M,N,provider,status,path,plan,build_s,error,bound,ms,gbps,pct_copy,"
                                        "speedup,best_peer,bytes\nln_fwd,8x8,x,8,torch,ok,,,,,,,,,,,\n"}
+    return _written(tmp_path, "{}.csv", contents)
+
+
+def _written(folder: Path, pattern: str, contents: dict[str, str]) -> dict[str, str]:
+    """name -> path of a file ``pattern.format(name)`` in ``folder`` holding ``contents[name]``
+    (lone surrogates written as the bytes they stand for: files that are not UTF-8)."""
     paths = {}
     for name, text in contents.items():
-        path = tmp_path / f"{name}.csv"
+        path = folder / pattern.format(name)
         path.write_bytes(text.encode("utf-8", "surrogateescape"))
         paths[name] = str(path)
     return paths
