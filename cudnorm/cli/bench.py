@@ -117,28 +117,35 @@ def _from_csv(path: Path, call: str | None) -> int:
         raise _args.UsageError("--from-csv", f"{str(path)!r} is not a CSV file ({exc})") from None
     if call is not None and "call" not in columns:
         raise _args.UsageError("--call", f"{str(path)!r} has no 'call' column")
-    try:
-        if set(report.COLUMNS) <= columns:
-            return _redraw_ops(report.read_csv(path), path)
-        if set(models.COLUMNS) <= columns:
-            return _redraw_models(_rows(path, call), path)
-        if set(host_overhead.COLUMNS) <= columns:
-            return _redraw_host(_rows(path, call), path)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError, csv.Error) as exc:
+    kinds = [(report.COLUMNS, _redraw_ops), (models.COLUMNS, _redraw_models), (host_overhead.COLUMNS, _redraw_host)]
+    redraw = next((redraw for needed, redraw in kinds if set(needed) <= columns), None)
+    if redraw is None:
+        raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv or host_overhead.csv "
+                                             f"(columns {sorted(columns)[:8]})")
+    try:  # the file is the input: a value that does not parse is a usage error
+        rows = _typed_rows(redraw, path, call)
+    except (KeyError, ValueError, TypeError, csv.Error) as exc:
         raise _args.UsageError("--from-csv", f"{str(path)!r} has a malformed row ({type(exc).__name__}: "
                                              f"{str(exc)[:120]})") from None
-    raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv or host_overhead.csv "
-                                         f"(columns {sorted(columns)[:8]})")
+    return redraw(rows, path)
 
 
-def _rows(path: Path, call: str | None) -> list[dict]:
-    """The rows of a results CSV, only those of ``call`` when given."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+def _typed_rows(redraw, path: Path, call: str | None) -> list[dict]:
+    """The rows of a results CSV as the benchmark that ``redraw`` redraws made them (numbers
+    as numbers), only those of ``call`` when given."""
+    if redraw is _redraw_ops:
+        rows = report.read_csv(path)
+    else:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
     if call is not None:
         rows = [r for r in rows if r.get("call") == call]
         if not rows:
             raise _args.UsageError("--call", f"{call!r} is not a call of {str(path)!r}")
+    if redraw is _redraw_models:
+        return [models.typed_row(r) for r in rows]
+    if redraw is _redraw_host:
+        return [{**r, **{k: float(r[k]) for k in ("same_us", "fresh_us", "vs_torch")}} for r in rows]
     return rows
 
 
@@ -154,7 +161,6 @@ def _redraw_ops(rows: list[dict], path: Path) -> int:
 
 
 def _redraw_models(rows: list[dict], path: Path) -> int:
-    rows = [models.typed_row(r) for r in rows]
     png = models.plot(rows, path.parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed or nothing was timed")
     call, latest = plots.latest_run(rows)
@@ -165,7 +171,6 @@ def _redraw_models(rows: list[dict], path: Path) -> int:
 
 
 def _redraw_host(rows: list[dict], path: Path) -> int:
-    rows = [{**r, **{k: float(r[k]) for k in ("same_us", "fresh_us", "vs_torch")}} for r in rows]
     png = host_overhead.plot(rows, path.parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed")
     print(report.text_table(host_overhead.table(rows), right=0))
