@@ -72,7 +72,7 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"cudnorm: NormSpec field {name!r} must be a bool, got {getattr(self, name)!r}")
         for name in ("x_dtype", "scale_dtype"):
-            if getattr(self, name) not in _DTYPE_NAMES:
+            if not isinstance(getattr(self, name), torch.dtype) or getattr(self, name) not in _DTYPE_NAMES:
                 raise ValueError(f"cudnorm: NormSpec field {name!r} must be one of {sorted(_DTYPES_BY_NAME)}, "
                                  f"got {getattr(self, name)!r}")
         if self.device_index is not None and self.device_index < 0:
