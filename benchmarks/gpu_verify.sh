@@ -2,11 +2,13 @@
 # GPU verification in stages, each with its own time limit, logs written as it goes (so a stage
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
-# Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps notebooks host api autotune
-#         bench-ln bench-rms ada rows
+# Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps notebooks notebooks-store
+#         host api autotune bench-ln bench-rms ada rows
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes).
 # notebooks: needs the dev extra's nbformat, nbclient and ipykernel importable (else every notebook test fails, saying so).
+# notebooks-store: executes every notebook on this GPU and writes them with their outputs to OUT/notebooks/; copy
+#   them into notebooks/ and commit (tools/make_notebooks.py --check then accepts them until a source changes).
 # dist-steps: NPROC ranks (default 2, one GPU each; NPROC=1 runs the same script on one GPU).
 set -uo pipefail
 out=${1:?output directory}; shift
@@ -43,6 +45,8 @@ for stage in "$@"; do
     tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;
     tests-rows)  pytest_gpu tests-rows 120 tests/test_rows.py ;;
     notebooks)   timeout 480 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_notebooks.py 2>&1 | tee "$out/notebooks.log" | tail -15 ;;
+    notebooks-store) timeout 540 python3 tools/make_notebooks.py --execute --into "$out/notebooks" 2>&1 \
+                   | grep -v "running over TCP" | tee "$out/notebooks-store.log" | tail -10 ;;
     host)        timeout 150 python3 benchmarks/host_profile.py --out "$out" 2>&1 | tee "$out/host.log" | grep -E " us$|device" ;;
     api)         timeout 200 python3 benchmarks/api_vs_raw.py --out "$out" --parts api,host 2>&1 | tee "$out/api.log" | grep -E "test=|device" ;;
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;

@@ -5,9 +5,9 @@ a configuration cuDNN declines) the same calls run PyTorch's kernels.
 """
 
 from . import _native  # noqa: F401 - the native launch path, tried at the first CUDA call
-from . import _sharding  # noqa: F401 - registers the DTensor sharding rules of cudnorm's ops
-from . import diffusers  # cudnorm.diffusers: diffusers-compatible AdaLN classes (not in __all__: a star
-#                         import must not shadow the diffusers package)
+# cudnorm.diffusers: diffusers-compatible AdaLN classes (not in __all__: a star import must not
+# shadow the diffusers package)
+from . import _sharding, diffusers
 from ._info import cache_info, clear_cache, info, serving_path
 from ._plan_store import clear_plan_store, install_default_store, plan_store_info
 from ._settings import Config, config, get_config
@@ -22,6 +22,7 @@ from .warmup import record_specs, warmup
 
 
 install_default_store()
+_sharding.install()  # DTensor's sharding rules for the ops, once torch.distributed.tensor is imported
 
 __all__ = [
     "AdaLayerNorm",

@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 
-from . import _graphs, _lru, _plan_store, _recording, _settings
+from . import _graphs, _lru, _plan_store, _recording, _settings, _warn
 from ._spec import NormSpec
 
 DECLINED = object()  # cache value for a spec cuDNN has no engine for
@@ -155,9 +154,9 @@ def _build(spec: NormSpec):
         plans.record_build(0.0, declined=True)
         if spec.slug() not in _warned:
             _warned.put(spec.slug(), True)
-            warnings.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
-                          RuntimeWarning, stacklevel=4)
+            _warn.warn(f"cudnorm.{spec.op}: cuDNN declined {spec.slug()} ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); using PyTorch's kernels",
+                       RuntimeWarning)
         return DECLINED
     plans.record_build(plan.build_seconds)
     if store is not None:

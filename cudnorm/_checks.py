@@ -75,6 +75,24 @@ def check_same_device(op: str, arg: str, value: torch.Tensor, input: torch.Tenso
         _fail(ValueError, op, arg, f"is on {value.device} but input is on {input.device}")
 
 
+def check_width(op: str, arg: str, value, dim: int) -> torch.Tensor:
+    """An input of a module built for ``dim`` features: a tensor of a supported dtype,
+    ``[B, *, dim]`` (at least 2-D)."""
+    check_input(op, value)
+    if value.dim() < 2 or value.shape[-1] != dim:
+        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)}; expected [B, *, {dim}] (the module's dim is {dim})")
+    return value
+
+
+def check_conditioning(op: str, arg: str, value, input: torch.Tensor, cond_dim: int) -> torch.Tensor:
+    """A conditioning embedding: ``[B, cond_dim]`` with ``input``'s batch size ``B``."""
+    check_input(op, value)
+    if value.dim() != 2 or value.shape[0] != input.shape[0] or value.shape[1] != cond_dim:
+        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)}; expected [B, cond_dim] = "
+                                   f"[{input.shape[0]}, {cond_dim}] for input of shape {tuple(input.shape)}")
+    return value
+
+
 def check_eps(op: str, eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         _fail(TypeError, op, "eps", f"must be a float, got {type(eps).__name__}")

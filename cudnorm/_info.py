@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from . import _cache, _entry, _graphs, _lru, _policy, _runtime, _settings
+from . import _cache, _entry, _graphs, _lru, _plan_store, _policy, _runtime, _settings
 from ._cache import CacheInfo
 from ._version import __version__
 
@@ -96,7 +96,8 @@ def _path(reason: str | None) -> str:
 
 def info() -> dict:
     """Versions, device, cuDNN availability, how plans are launched, the serving path of
-    every op and the configuration (:func:`cudnorm.get_config`)."""
+    every op and the configuration (:func:`cudnorm.get_config`, with ``plan_store_dir`` the
+    directory the plan store uses, the default one when the option is ``None``)."""
     status = _runtime.cudnn_status()
 
     fe = _runtime.cudnn_module()
@@ -116,4 +117,6 @@ def info() -> dict:
     out["native"] = _native_status()
     out["paths"] = {op: serving_path(op) for op in OPS}
     out["config"] = dataclasses.asdict(_settings.current)
+    # the directory in use, as `cudnorm cache info` shows it (None in the Config means the default one)
+    out["config"]["plan_store_dir"] = str(_plan_store.current_store().root)
     return out

@@ -31,7 +31,6 @@ import shutil
 import sys
 import threading
 import time
-import warnings
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,7 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from . import (_ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording, _rows,
-               _runtime, _settings)
+               _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -302,9 +301,9 @@ def activate() -> bool:
         except Unavailable as exc:
             _state.status, _state.reason = "unavailable", exc.reason
             _entry.pending = False
-            warnings.warn(f"cudnorm: the native launch path is not available ({exc.reason}); the Python launch "
-                          f"path serves, at about 2-3x the host time per call. Fix: {exc.fix}. Silence: "
-                          "cudnorm.config(native='off')", RuntimeWarning, stacklevel=4)
+            _warn.warn(f"cudnorm: the native launch path is not available ({exc.reason}); the Python launch "
+                       f"path serves, at about 2-3x the host time per call. Fix: {exc.fix}. Silence: "
+                       "cudnorm.config(native='off')", RuntimeWarning)
             return False
         _state.status, _state.reason = "active", ""
         _entry.pending = False

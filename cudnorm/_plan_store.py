@@ -37,10 +37,9 @@ import stat
 import struct
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-from . import _graphs, _runtime, _settings
+from . import _graphs, _runtime, _settings, _warn
 from ._spec import NormSpec
 from ._version import __version__
 
@@ -157,7 +156,7 @@ class PlanStore:
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"cudnorm plan store: {message}", RuntimeWarning, stacklevel=3)
+            _warn.warn(f"cudnorm plan store: {message}", RuntimeWarning)
 
     def has(self, spec: NormSpec) -> bool:
         """Whether an entry for ``spec`` exists on this device's fingerprint (not validated:
@@ -273,7 +272,8 @@ class PlanStore:
 
     def entries(self) -> list[dict]:
         """One dict per entry file: path, bytes, age, and the header (or the reason it is unreadable)."""
-        rows = []
+        rows = [{"path": str(directory), "bytes": 0, "age_s": 0.0,
+                 "error": f"unreadable directory ({error.strerror or error})"} for directory, error in self.unreadable()]
         now = time.time()
         for path, st in self._files():
             if path.name.startswith(_TEMP_PREFIX):
@@ -294,16 +294,33 @@ class PlanStore:
             rows.append(row)
         return rows
 
+    def unreadable(self) -> list[tuple[Path, OSError]]:
+        """The store's directories (the root, each fingerprint's) that cannot be listed, with
+        the error: the entries in them are invisible to loads, ``entries`` and ``clear``."""
+        subs, error = _scan(self.root)
+        found = [] if error is None else [(self.root, error)]
+        for sub in subs:
+            if sub.is_dir():
+                error = _scan(sub)[1]
+                if error is not None:
+                    found.append((sub, error))
+        return found
+
     def clear(self) -> int:
         """Delete every entry (and empty fingerprint directory). Returns the files removed;
         raises ``PermissionError`` naming the store when some could not be removed (a
-        read-only store)."""
+        read-only store), or naming a directory of it that could not be read."""
         files = [path for path, _ in self._files()]
         removed = sum(_unlink(path) for path in files)
         left = [path for path in files if path.exists() or path.is_symlink()]
         if left:
             raise PermissionError(f"cudnorm: could not remove {len(left)} of {len(files)} plan store file(s) in "
                                   f"{self.root} (first: {left[0].name}); is the store read-only?")
+        unreadable = self.unreadable()
+        if unreadable:
+            directory, error = unreadable[0]
+            raise PermissionError(f"cudnorm: could not read {directory} ({error.strerror or error}): the plans in it "
+                                  f"were not removed ({removed} other file(s) were)")
         for sub in _listdir(self.root):
             if sub.is_dir():
                 try:
@@ -333,10 +350,18 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def _listdir(directory: Path) -> list[Path]:
     """Entries of ``directory``; none when it is missing, not a directory or unreadable."""
+    return _scan(directory)[0]
+
+
+def _scan(directory: Path) -> tuple[list[Path], OSError | None]:
+    """``(entries of directory, None)``; ``([], error)`` when it cannot be listed (missing
+    or not a directory is no error: an empty store)."""
     try:
-        return list(directory.iterdir())
-    except OSError:
-        return []
+        return list(directory.iterdir()), None
+    except (FileNotFoundError, NotADirectoryError):
+        return [], None
+    except OSError as exc:
+        return [], exc
 
 
 def _unlink(path: Path) -> int:

@@ -24,10 +24,11 @@ import dataclasses
 import math
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from . import _warn
 
 _STRATEGIES = ("auto", "cudnn", "per_sample", "torch")
 
@@ -232,8 +233,8 @@ def from_environment(environ: Mapping[str, str] = os.environ) -> Config:
             word = text.lower()
             values[name] = option.check(option.words[word] if word in option.words else option.parse(text))
         except (TypeError, ValueError):
-            warnings.warn(f"cudnorm: ignoring {option.env}={raw!r}: it must be {option.env_allowed or option.allowed}; "
-                          f"using the default, {getattr(Config, name)!r}", stacklevel=2)
+            _warn.warn(f"cudnorm: ignoring {option.env}={raw!r}: it must be {option.env_allowed or option.allowed}; "
+                       f"using the default, {getattr(Config, name)!r}")
     return Config(**values)
 
 
@@ -281,9 +282,11 @@ def config(**overrides) -> Config:
     """Change cudnorm's configuration and return the new one; as a context manager, only
     until the end of the block::
 
+        import cudnorm
+
         cudnorm.config(autotune="off")         # from now on
         with cudnorm.config(policy="cudnn"):   # in this block
-            ...
+            print(cudnorm.get_config().policy)
 
     The change takes effect at the call. The configuration is process-wide, not per thread:
     a ``with`` block changes it for every thread while it runs, and threads changing it at

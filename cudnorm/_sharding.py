@@ -21,9 +21,17 @@ rstd), so they take the placement ``x``'s rows have after a flatten. A rank's st
 its local rows (padded per rank) and only the matching backward reads them: a backward rule
 offers only the placements whose statistics are the ones its forward gave, so they are never
 redistributed.
+
+Importing ``torch.distributed.tensor`` costs over a second (it pulls in sympy), so ``import
+cudnorm`` does not: :func:`install` registers the rules at once when DTensor is already
+loaded, and otherwise when ``torch.distributed.tensor`` is first imported, which happens
+before any DTensor can exist, so no DTensor ever reaches cudnorm's ops unruled.
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import sys
 
 import torch
 
@@ -130,6 +138,15 @@ _RULES = {"rms_norm_fwd": _rms_norm_fwd, "rms_norm_bwd": _rms_norm_bwd,
 
 def _register() -> None:
     """Register every rule of :data:`_RULES` for its ``cudnorm::`` op."""
+    global DTensor, Partial, Shard, _StridedShard, _REP  # the placement types the rules above use
+    try:  # private names among them (tried on torch 2.11 and 2.13); cudnorm supports torch >= 2.5
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+        from torch.distributed.tensor.experimental import register_sharding
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # no rules: a DTensor reaching cudnorm's op raises DTensor's error naming the op
+        return
+    _REP = Replicate()
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name, rule in _RULES.items():
         op = getattr(torch.ops.cudnorm, name).default
@@ -145,14 +162,51 @@ def _register() -> None:
                 static_argnum=scalars[0], static_kwargkey=[args[i].name for i in scalars], needs_pytree=True)
 
 
-if torch.distributed.is_available():
-    try:  # private names among them (tried on torch 2.11 and 2.13); cudnorm supports torch >= 2.5
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-        from torch.distributed.tensor.experimental import register_sharding
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # no rules: a DTensor reaching cudnorm's op raises DTensor's error naming the op
-        pass
-    else:
-        _REP = Replicate()
+_DTENSOR = "torch.distributed.tensor"
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``torch.distributed.tensor`` through the other finders and has its loader call
+    :func:`_register` once the module has executed; then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _DTENSOR:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)  # legacy finders have only find_module
+            spec = None if find is None else find(fullname, path, target)
+            if spec is not None:
+                spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """``loader``, registering the rules after it has executed the module; the module keeps
+    the original loader (``__loader__``, ``__spec__.loader``)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
         _register()
+
+
+def install() -> None:
+    """Register the rules now if ``torch.distributed.tensor`` is loaded, else when it is
+    first imported (cudnorm's ops must be defined: the package calls this last)."""
+    if not torch.distributed.is_available():
+        return
+    if _DTENSOR in sys.modules:
+        _register()
+    elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -20,6 +20,8 @@ _DTYPES_BY_NAME = {v: k for k, v in _DTYPE_NAMES.items()}
 
 _FIELDS = ("op", "phase", "rows", "cols", "x_dtype", "scale_dtype", "device_index", "x_row_stride", "batch",
            "autotune", "dynamic", "offset", "residual")
+_INT_FIELDS = ("rows", "cols", "device_index", "x_row_stride", "batch")  # device_index may be None: no CUDA device
+_FLAG_FIELDS = ("autotune", "dynamic", "offset", "residual")
 
 
 class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
@@ -60,7 +62,21 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
                                    residual))
 
     def validate(self) -> "NormSpec":
-        """Raise ``ValueError`` for an unknown op/phase or a shape that is not positive."""
+        """Raise ``ValueError`` for a field of the wrong type, an unknown op/phase or a shape
+        that is not positive (a spec read from a file is checked field by field)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int and not (name == "device_index" and value is None):
+                raise ValueError(f"cudnorm: NormSpec field {name!r} must be an int, got {value!r}")
+        for name in _FLAG_FIELDS:
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"cudnorm: NormSpec field {name!r} must be a bool, got {getattr(self, name)!r}")
+        for name in ("x_dtype", "scale_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype) or getattr(self, name) not in _DTYPE_NAMES:
+                raise ValueError(f"cudnorm: NormSpec field {name!r} must be one of {sorted(_DTYPES_BY_NAME)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.device_index is not None and self.device_index < 0:
+            raise ValueError(f"cudnorm: NormSpec field 'device_index' must be >= 0, got {self.device_index}")
         if self.op not in OPS:
             raise ValueError(f"cudnorm: unknown op {self.op!r}; expected one of {OPS}")
         if self.phase not in PHASES:
@@ -117,7 +133,7 @@ class NormSpec(namedtuple("_NormSpecFields", _FIELDS)):
 def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES_BY_NAME[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value read from a file
         raise ValueError(f"cudnorm: unsupported dtype name {name!r}; expected one of {sorted(_DTYPES_BY_NAME)}") from None
 
 

@@ -14,9 +14,12 @@ written for one must not silently build something else with the other.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
-from . import _entry, _policy
+from . import _checks, _entry, _policy
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -35,8 +38,10 @@ class LayerNorm(torch.nn.LayerNorm):
         if _entry.native:  # the native entry point applies the same policy in C++
             return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
         if _policy.torch_serves(input, weight, bias):
-            # PyTorch's op, as nn.LayerNorm runs it (its checks, its errors), minus F.layer_norm's
-            # Python wrapper: small models' steps are host-bound
+            # PyTorch's op, as nn.LayerNorm runs it, minus F.layer_norm's Python wrapper (small
+            # models' steps are host-bound); checked first, so a mistake raises cudnorm's error
+            # whichever kernels serve the call
+            _checks.norm_call("layer_norm", input, self.normalized_shape, {"weight": weight, "bias": bias}, self.eps)
             return torch.layer_norm(input, self.normalized_shape, weight, bias, self.eps)
         return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
 
@@ -47,11 +52,13 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        weight = self.weight
-        if _entry.native:
-            return rms_norm(input, self.normalized_shape, weight, self.eps)
-        if _policy.torch_serves(input, weight):  # PyTorch's op, as in LayerNorm.forward
-            return torch.rms_norm(input, self.normalized_shape, weight, self.eps)
+        weight, eps = self.weight, self.eps
+        if _entry.native:  # the native entry point checks the call and applies the same policy in C++
+            return rms_norm(input, self.normalized_shape, weight, eps)
+        if _policy.torch_serves(input, weight):  # PyTorch's op, checked first, as in LayerNorm.forward
+            # eps=None is PyTorch's default, the dtype's machine epsilon: any valid eps checks the rest
+            _checks.norm_call("rms_norm", input, self.normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
+            return torch.rms_norm(input, self.normalized_shape, weight, eps)
         return rms_norm(input, self.normalized_shape, weight, self.eps)
 
 
@@ -75,6 +82,30 @@ class FusedAddRMSNorm(RMSNorm):
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
 
 
+def _options_by_keyword(diffusers_arguments: str):
+    """Decorate an AdaLN module's ``__init__(self, dim, *, ...)`` so that options passed by
+    position raise a ``TypeError`` naming the keywords and pointing to the diffusers class of
+    the same name, whose positional ``diffusers_arguments`` such a call was likely written for."""
+
+    def decorate(init):
+        keywords = ", ".join(f"{name}=" for name, p in inspect.signature(init).parameters.items()
+                             if p.kind is p.KEYWORD_ONLY)
+
+        @functools.wraps(init)
+        def checked(self, dim, *positional, **options):
+            if positional:
+                name = type(self).__name__
+                raise TypeError(
+                    f"cudnorm.{name} takes one positional argument, dim; pass {keywords} by keyword "
+                    f"(got {len(positional)} more positional: {', '.join(map(repr, positional))}). diffusers' "
+                    f"{name}({diffusers_arguments}) is cudnorm.diffusers.{name}")
+            init(self, dim, **options)
+
+        return checked
+
+    return decorate
+
+
 class AdaLayerNorm(torch.nn.Module):
     """DiT's ``modulate(norm(x), shift, scale)``, fused: ``layer_norm(x) * (1 + scale) + shift``
     with a non-affine LayerNorm. No parameters: shift/scale come from the caller.
@@ -83,12 +114,14 @@ class AdaLayerNorm(torch.nn.Module):
     (note the argument order: shift first, as in DiT's ``modulate``).
     """
 
+    @_options_by_keyword("embedding_dim, num_embeddings, ...")
     def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
 
     def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``norm(x) * (1 + scale) + shift``; ``x [B, *, D]``, shift/scale ``[B, D]`` or ``[B, 1, D]``."""
+        _checks.check_width("AdaLayerNorm", "x", x, self.dim)
         return ada_layer_norm(x, scale, shift, self.eps, one_plus_scale=True)
 
     def extra_repr(self) -> str:
@@ -106,6 +139,7 @@ class AdaLayerNormZero(torch.nn.Module):
     The linear layer starts at zero (DiT's init), so the block starts as the identity.
     """
 
+    @_options_by_keyword("embedding_dim, num_embeddings, ...")
     def __init__(self, dim: int, *, cond_dim: int | None = None, eps: float = 1e-6, bias: bool = True) -> None:
         super().__init__()
         self.silu = torch.nn.SiLU()
@@ -118,6 +152,8 @@ class AdaLayerNormZero(torch.nn.Module):
     def forward(self, x: torch.Tensor, emb: torch.Tensor):
         """``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``
         from ``x [B, *, D]`` and ``emb [B, cond_dim]``."""
+        _checks.check_width("AdaLayerNormZero", "x", x, self.norm.dim)
+        _checks.check_conditioning("AdaLayerNormZero", "emb", emb, x, self.linear.in_features)
         emb = emb.to(self.linear.weight.dtype)  # fp32 conditioning into a bf16 module, as diffusers casts it
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(6, dim=1)
         return self.norm(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
@@ -132,6 +168,7 @@ class AdaLayerNormContinuous(torch.nn.Module):
     into the per-sample scale/shift (``[B, D]`` work), so the op still reads ``x`` once.
     """
 
+    @_options_by_keyword("embedding_dim, conditioning_embedding_dim, elementwise_affine, eps, ...")
     def __init__(self, dim: int, *, cond_dim: int, eps: float = 1e-6, elementwise_affine: bool = False,
                  bias: bool = True) -> None:
         super().__init__()
@@ -141,6 +178,8 @@ class AdaLayerNormContinuous(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``norm(x) * (1 + scale) + shift`` with ``(scale, shift)`` projected from ``emb [B, cond_dim]``."""
+        _checks.check_width("AdaLayerNormContinuous", "x", x, self.norm.normalized_shape[0])
+        _checks.check_conditioning("AdaLayerNormContinuous", "emb", emb, x, self.linear.in_features)
         emb = emb.to(self.linear.weight.dtype)  # as in AdaLayerNormZero.forward
         scale, shift = self.linear(self.silu(emb)).chunk(2, dim=1)
         weight, bias = self.norm.weight, self.norm.bias

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils import parametrize
 
-from . import _patch_table
+from . import _patch_table, _warn
 from ._patch_table import qualified_name
 from .diffusers import FUSED, why_not_fused
 from .layer_norm import layer_norm
@@ -421,4 +421,7 @@ def patch(model: torch.nn.Module) -> PatchReport:
     for module, patched, _ in decided.values():
         if patched is not None:
             _swap(module, patched)
+    if not report.swapped:  # a model without supported norms, or one patched already
+        _warn.warn(f"cudnorm.patch: swapped no norm in {type(model).__name__} ({len(report.left)} norm-like "
+                   "module(s) left, listed in the returned report)", RuntimeWarning)
     return report

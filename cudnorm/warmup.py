@@ -17,14 +17,13 @@ import contextlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import _ada_strategies, _cache, _dispatch, _recording, _runtime
+from . import _ada_strategies, _cache, _dispatch, _recording, _runtime, _warn
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -50,6 +49,8 @@ def read_spec_file(path: str | os.PathLike) -> list[NormSpec]:
         data = json.loads(Path(path).read_text())
     except ValueError as exc:
         raise ValueError(f"cudnorm.warmup: {path} is not JSON ({exc})") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise ValueError(f"cudnorm.warmup: {path} is not JSON (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != SPEC_FORMAT:
         raise ValueError(f"cudnorm.warmup: {path} is not a cudnorm spec file (no \"format\": \"{SPEC_FORMAT}\")")
     if data.get("version") != SPEC_VERSION:
@@ -80,18 +81,23 @@ def record_specs(path: str | os.PathLike | None = None):
 
     Example::
 
+        import torch
+        import cudnorm
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU nothing is recorded (it warns)
+        model = torch.nn.Sequential(cudnorm.LayerNorm(4096), cudnorm.RMSNorm(4096)).to(device, torch.bfloat16)
+        batch = torch.randn(8, 1024, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
         with cudnorm.record_specs("step.json"):
-            loss = model(batch).loss
-            loss.backward()
+            model(batch).float().square().mean().backward()
     """
     recording = Recording()
     with _recording.collecting() as seen:
         yield recording
     recording.specs = _sorted(seen)
     if not recording.specs:
-        warnings.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
-                      f"unavailable: {_runtime.cudnn_status().reason}, only calls the default policy hands to "
-                      "PyTorch's ops, or no cudnorm op ran)", RuntimeWarning, stacklevel=3)
+        _warn.warn("cudnorm.record_specs: no cuDNN graph was requested in the block (CPU tensors, cuDNN "
+                   f"unavailable: {_runtime.cudnn_status().reason}, only calls the default policy hands to "
+                   "PyTorch's ops, or no cudnorm op ran)", RuntimeWarning)
     if path is not None:
         write_spec_file(path, recording.specs)
 
@@ -257,8 +263,7 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
     specs = resolve(source, batch=batch, seq=seq, dtype=dtype, device=device)
     status = _runtime.cudnn_status()
     if not status.available:
-        warnings.warn(f"cudnorm.warmup: nothing built, cuDNN is unavailable ({status.reason})", RuntimeWarning,
-                      stacklevel=2)
+        _warn.warn(f"cudnorm.warmup: nothing built, cuDNN is unavailable ({status.reason})", RuntimeWarning)
         return [{"spec": s.slug(), "source": "skipped", "plan": "", "seconds": 0.0} for s in specs]
     count = torch.cuda.device_count()
     missing = sorted({s.device_index for s in specs if not 0 <= s.device_index < count})

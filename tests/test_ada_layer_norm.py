@@ -381,6 +381,7 @@ def _compiled_matches_eager(device):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.slow  # torch.compile builds C++ kernels on the CPU: 20 s
 def test_compile_fullgraph_cpu():
     _compiled_matches_eager("cpu")
 

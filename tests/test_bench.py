@@ -135,7 +135,7 @@ def test_chunked_reference_equals_one_pass(family, shape, monkeypatch):
 
 def test_parse_shapes():
     assert runner.parse_shapes("32768x4096, 4x1024x768") == [(32768, 4096), (4, 1024, 768)]
-    with pytest.raises(ValueError, match="--shapes"):
+    with pytest.raises(ValueError, match="'32768' is not MxN or BxSxD"):
         runner.parse_shapes("32768")
 
 
@@ -157,7 +157,7 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
     cases = {(r["op"], r["direction"], r["provider"]) for r in results}
     assert cases == {(op, d, p) for op in ("layer_norm", "rms_norm", "ada_layer_norm")
                      for d in ("fwd-infer", "fwd-train", "bwd") for p in host_overhead.PROVIDERS}
-    assert set(host_overhead.PROVIDERS) == {"cudnorm", "cudnorm-cudnn", "cudnorm-python", "torch"}
+    assert set(host_overhead.PROVIDERS) == {"cudnorm", "cudnorm-cudnn", "cudnorm-python", "torch", "torch-again"}
     assert all(r["same_us"] > 0 and r["fresh_us"] > 0 for r in results) and "fresh" in how
     assert all(r["vs_torch"] == 1.0 for r in results if r["provider"] == "torch")
     stages = host_overhead.breakdown(rows=64, cols=1024, ada_shape=(2, 64, 256))
@@ -167,6 +167,7 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
 
 
 
+@pytest.mark.slow  # two processes under torchrun
 def test_distributed_steps_quick_run_times_every_provider(tmp_path):
     """``benchmarks/distributed_steps.py --quick`` under torchrun with 2 gloo processes: FSDP2
     and TP + SP each give a row per provider with a positive step time (the script's
@@ -183,3 +184,24 @@ def test_distributed_steps_quick_run_times_every_provider(tmp_path):
     assert [(r["setup"], r["provider"]) for r in rows] == [
         (s, p) for s in ("fsdp2", "tp") for p in ("torch", "cudnorm", "cudnorm-cudnn", "torch-again")]
     assert all(r["status"] == "ok" and float(r["ms_per_step"]) > 0 for r in rows), rows
+
+
+def test_speedup_panels_of_the_op_and_host_tables():
+    """``bench_speedup.png``: cudnorm's kernel time against eager PyTorch's per shape, one
+    panel per op, ``torch-again`` as the band; ``host_overhead.png`` likewise per direction."""
+    from cudnorm._bench import plots  # noqa: PLC0415
+
+    def op_row(op, shape, provider, ms):
+        return {"op": op, "shape": shape, "provider": provider, "ms": ms}
+
+    rows = [op_row("ln_fwd", "8x64", "torch", 2.0), op_row("ln_fwd", "8x64", "cudnorm", 1.0),
+            op_row("ln_fwd", "8x64", "torch-again", 2.1), op_row("ln_fwd", "8x64", "liger", 1.5),
+            op_row("ln_fwd", "8x128", "torch", 3.0), op_row("ln_fwd", "8x128", "cudnorm", 1.0),
+            op_row("ln_bwd", "8x64", "torch", 1.0), op_row("ln_bwd", "8x64", "cudnorm", 2.0)]
+    (fwd_title, fwd, fwd_aa), (bwd_title, bwd, bwd_aa) = plots.op_panels(rows)
+    assert (fwd_title, bwd_title) == ("LayerNorm forward (training)", "LayerNorm backward")
+    assert fwd == [("8x64", "cudnorm", 2.0), ("8x128", "cudnorm", 3.0)] and plots.sorted_cases(fwd) == ["8x128", "8x64"]
+    assert fwd_aa == [pytest.approx(2.0 / 2.1)] and bwd == [("8x64", "cudnorm", 0.5)] and bwd_aa == []
+    host = [{"op": "rms_norm", "direction": "bwd", "provider": p, "fresh_us": us}
+            for p, us in (("torch", 100.0), ("cudnorm", 80.0), ("torch-again", 104.0))]
+    assert plots.host_panels(host) == [("bwd", [("rms_norm", "cudnorm", 1.25)], [pytest.approx(100 / 104)])]

@@ -25,6 +25,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # every model case (test_filter_selects_cases runs a few in the quick tier)
 def test_quick_run_writes_every_case(tmp_path, capsys):
     assert cli.main(["bench", "--models", "--quick", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "models.csv", newline="") as f:
@@ -248,3 +249,49 @@ def test_autocast_mode_keeps_fp32_master_weights(model, provider):
         return float((y.detach().double() - ref).norm() / ref.norm())
 
     assert err(out) <= 2 * err(_run(case, "torch")[1])
+
+
+def _row(call, case, mode, provider, speedup):
+    return {**models.blank_row(model_zoo.Case("dit", case, mode, 2, 8, 64, 4, 1), provider), "call": call,
+            "case": f"{case}:{mode}", "speedup": speedup, "step_ms": 1.0, "host_ms": 1.0, "host_ratio": 1.0}
+
+
+RESULTS = [  # two device calls of one results file, as benchmarks/results/<gpu>/models.csv keeps them
+    _row("A", "dit-old", "train", "cudnorm", 1.50), _row("A", "dit-old", "train", "torch-again", 1.20),
+    _row("B", "dit-x", "train", "cudnorm", 0.97), _row("B", "dit-y", "train", "cudnorm", 1.06),
+    _row("B", "dit-x", "train", "torch-again", 1.02), _row("B", "dit-y", "infer", "cudnorm", 1.01),
+    _row("B", "dit-y", "infer", "torch-again", 0.99),
+]
+
+
+def test_plot_draws_the_latest_call_sorted_with_its_noise_band():
+    """models.png shows one run (the last call of a results file), cases sorted by cudnorm's
+    speed-up, one panel per mode, the run's torch-again ratios as its band (not as bars)."""
+    from cudnorm._bench import plots  # noqa: PLC0415
+
+    call, latest = plots.latest_run(RESULTS)
+    assert call == "B" and {r["call"] for r in latest} == {"B"}
+    panels = plots.model_panels(latest, {"train": "train", "infer": "infer / decode"})
+    assert [title for title, _, _ in panels] == ["train", "infer / decode"]
+    (_, train, train_aa), (_, infer, infer_aa) = panels
+    assert plots.sorted_cases(train) == ["dit-y", "dit-x"]  # 1.06 before 0.97
+    assert train_aa == [1.02] and infer_aa == [0.99]
+    assert all(provider != "torch-again" for _, provider, _ in train + infer)
+
+
+def test_from_csv_redraws_the_plot_of_a_results_file(tmp_path, capsys):
+    """``cudnorm bench --from-csv models.csv`` redraws models.png from a file holding several
+    calls (the latest by default, ``--call`` another) and prints that call's tables."""
+    import importlib.util  # noqa: PLC0415
+
+    from cudnorm._bench import report  # noqa: PLC0415
+
+    path = tmp_path / "models.csv"
+    report.write_csv(RESULTS, path, columns=("call", *models.COLUMNS))
+    assert cli.main(["bench", "--from-csv", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "DiT (AdaLN) (call B)" in out and "dit-old" not in out
+    assert cli.main(["bench", "--from-csv", str(path), "--call", "A"]) == 0
+    assert "dit-old" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "models.png").stat().st_size > 0

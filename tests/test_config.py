@@ -4,6 +4,7 @@ environment seeding the configuration at import (a malformed value warns and the
 used). The subprocess cases of issue 21 are in ``test_reliability.py``."""
 
 import dataclasses
+import os
 import re
 import threading
 from pathlib import Path
@@ -122,8 +123,9 @@ def test_disable_cudnn_is_the_kill_switch():
 
 
 def test_info_shows_the_configuration():
-    with cudnorm.config(exact_rows=3):
-        assert cudnorm.info()["config"] == dataclasses.asdict(cudnorm.get_config())
+    with cudnorm.config(exact_rows=3):  # and the plan store's directory in use (None: the default one)
+        shown = {**dataclasses.asdict(cudnorm.get_config()), "plan_store_dir": cudnorm.plan_store_info()["path"]}
+        assert cudnorm.info()["config"] == shown
         assert cudnorm.info()["config"]["exact_rows"] == 3
 
 
@@ -181,3 +183,56 @@ def test_configuration_table_lists_every_option():
     for field in dataclasses.fields(cudnorm.Config):
         _, _, default, variable, _ = rows[field.name]
         assert (default, variable) == (repr(field.default), _settings.OPTIONS[field.name].env), field.name
+
+
+# -- warnings point at the caller's line -----------------------------------------------------
+def _line_of(marker: str) -> int:
+    """The line of this file that ends with ``# <marker>``."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.endswith(f"# {marker}"))
+
+
+def test_warnings_point_at_the_callers_line(monkeypatch, tmp_path):
+    """Each warning is attributed to the user's line, however deep in cudnorm (under a
+    module's forward, a ``with`` block's exit) it was raised."""
+    import emulated_cudnn  # noqa: PLC0415
+
+    from cudnorm import _graphs  # noqa: PLC0415
+
+    def refuse(spec):
+        raise RuntimeError("no engine")
+
+    saved = emulated_cudnn.install()
+    try:
+        _cache._build = saved[1]  # the real miss path, which warns when cuDNN declines (uninstall restores it)
+        monkeypatch.setattr(_graphs, "build_plan", refuse)
+        norm = cudnorm.LayerNorm(64)
+        with pytest.warns(RuntimeWarning, match="cuDNN declined") as caught:
+            norm(torch.randn(4, 64))  # declined
+    finally:
+        emulated_cudnn.uninstall(saved)
+        cudnorm.clear_cache()
+    found = [(w.filename, w.lineno) for w in caught]
+    with pytest.warns(RuntimeWarning, match="swapped no norm") as more:
+        cudnorm.patch(torch.nn.Linear(2, 2))  # patched nothing
+    found += [(w.filename, w.lineno) for w in more]
+    with pytest.warns(RuntimeWarning, match="no cuDNN graph was requested") as more:
+        with cudnorm.record_specs():  # recorded nothing
+            cudnorm.layer_norm(torch.randn(2, 4), (4,))
+    found += [(w.filename, w.lineno) for w in more]
+    assert found == [(__file__, _line_of(marker)) for marker in ("declined", "patched nothing", "recorded nothing")]
+
+
+def test_a_malformed_variable_warns_at_the_import_line(tmp_path):
+    """The environment is read while ``import cudnorm`` runs: its warning names the line of
+    the import, not cudnorm's settings module."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = tmp_path / "job.py"
+    script.write_text("import os\nimport cudnorm\n")
+    path = os.pathsep.join(filter(None, [str(Path(cudnorm.__file__).parent.parent), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path, "CUDNORM_CACHE_SIZE": "abc"})
+    assert done.returncode == 0, done.stderr
+    assert f"{script}:2: UserWarning: cudnorm: ignoring CUDNORM_CACHE_SIZE='abc'" in done.stderr, done.stderr

@@ -265,6 +265,7 @@ def test_dit_label_dropout_matches_in_training():
         assert ref.rel_error(g, w) <= F32_TOL
 
 
+@pytest.mark.slow  # torch.compile on the CPU
 def test_compile_fullgraph_matches_eager():
     theirs, mine, make = _pair("zero-dit")
     (x,), kwargs = make(torch.float32)

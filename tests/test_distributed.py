@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.slow  # every test spawns WORLD processes (tests/test_sharding.py runs the rules in one)
+
 WORLD = 2
 STEPS = 20  # DDP and FSDP2 training steps
 TP_STEPS = 5

@@ -13,8 +13,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.slow,  # two processes per example, each importing torch
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="needs torch.distributed with gloo")]
 
 
 def run_example(name: str) -> str:

@@ -93,18 +93,20 @@ def _callee(call: ast.Call) -> str:
 
 
 def _messages(tree: ast.AST):
-    """``(line, pieces)`` of every message raised or warned: the first argument of an
-    exception constructed in a ``raise``, and the longest string argument of a call to
-    ``warn``/``*_warn*``/``*fail*`` (the package's helpers that raise or warn for their caller)."""
+    """``(line, pieces)`` of every message raised or warned: the longest string argument of
+    an exception constructed in a ``raise`` (the CLI's ``UsageError(argument, message)``
+    passes two), and of a call to ``warn``/``*_warn*``/``*fail*`` (the package's helpers that
+    raise or warn for their caller)."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-            pieces = _pieces(node.exc.args[0])
-            if pieces:
-                yield node.lineno, pieces
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            call = node.exc
         elif isinstance(node, ast.Call) and re.search(r"warn|fail", _callee(node), flags=re.I):
-            candidates = [p for p in map(_pieces, node.args) if p]
-            if candidates:
-                yield node.lineno, max(candidates, key=lambda p: sum(len(s) for s in p if s))
+            call = node
+        else:
+            continue
+        candidates = [p for p in map(_pieces, call.args) if p]
+        if candidates:
+            yield node.lineno, max(candidates, key=lambda p: sum(len(s) for s in p if s))
 
 
 def _pattern(pieces: list[str | None]) -> re.Pattern | None:

@@ -1,11 +1,15 @@
 """The package's import structure: one path from the public ops down to the launch, imports
 that only point down, no cycles. Parsed from the source (no import side effects).
 
-A new module must be placed in :data:`LAYERS` (the layer says what it may use).
+A new module must be placed in :data:`LAYERS` (the layer says what it may use). ``import
+cudnorm`` stays cheap: the heavy modules are imported on first use.
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import cudnorm
 
@@ -13,7 +17,8 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_settings", "_spec", "_version", "reference"),  # no package imports
+    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn", "reference"),  # no package imports
+    ("_settings",),
     ("_policy", "_recording", "_runtime"),
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
@@ -162,3 +167,36 @@ def test_attributes_read_from_package_modules_exist():
                     if not hasattr(module, node.attr):
                         missing.append(f"{path.relative_to(repo)}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
     assert not missing, "attributes that do not exist:\n" + "\n".join(missing)
+
+
+# Imported on first use, never by ``import cudnorm`` or the CLI's parser: DTensor (over a
+# second, with sympy), the cuDNN frontend, plotting, the model libraries of cudnorm.patch and
+# the benchmarks, the notebook runner, torch.compile's stack.
+HEAVY = ("torch.distributed.tensor", "sympy", "cudnn", "matplotlib", "transformers", "diffusers", "nbformat",
+         "nbclient", "torch._dynamo", "torch._inductor")
+_PROBE = """
+import json, sys
+import torch
+before = set(sys.modules)
+import cudnorm, cudnorm.cli
+loaded = [m for m in json.loads(sys.argv[1]) if m in sys.modules and m not in before]
+from torch.distributed.tensor import DTensor
+rules = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+print(json.dumps({"loaded": loaded, "ruled": torch.ops.cudnorm.layer_norm_fwd.default in rules}))
+"""
+
+
+def test_import_leaves_heavy_modules_unimported():
+    """``import cudnorm`` (and the CLI) adds none of :data:`HEAVY` to what ``import torch``
+    loads; importing
+    ``torch.distributed.tensor`` afterwards registers the ops' sharding rules (a fresh
+    interpreter: this one has imported them all)."""
+    import json  # noqa: PLC0415
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT.parent), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(HEAVY)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["loaded"] == [], f"import cudnorm imported {result['loaded']}"
+    assert result["ruled"], "importing torch.distributed.tensor did not register cudnorm's sharding rules"

@@ -1,13 +1,16 @@
-"""Every tutorial notebook runs top to bottom, and git keeps them without outputs.
+"""Every tutorial notebook runs top to bottom, and the outputs git keeps come from its current
+sources, executed on a GPU.
 
 The notebooks run against this checkout (the repo root is put on the kernel's PYTHONPATH),
 on the GPU when there is one and on the CPU fallback otherwise. nbclient and ipykernel come
 with the ``dev`` extra; without them these tests fail rather than skip, so a CI job that
-forgot them cannot pass silently.
+forgot them cannot pass silently. ``tools/make_notebooks.py --execute`` stores them with
+their outputs on a GPU; ``--check`` (run here) refuses outputs of other sources or of a CPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -38,24 +41,84 @@ def test_the_tutorial_series_is_complete():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_is_stripped(path):
-    nbformat = _require("nbformat")
-    nb = nbformat.read(path, as_version=4)
-    for index, cell in enumerate(nb.cells):
+def _make_notebooks():
+    """``tools/make_notebooks.py`` as a module (tools/ is no package)."""
+    _require("nbformat")
+    spec = importlib.util.spec_from_file_location("make_notebooks", ROOT / "tools" / "make_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _executed_on_a_gpu(make, nb):
+    """``nb`` as ``--execute`` stores it on a GPU: an output per code cell and the metadata."""
+    for cell in nb.cells:
         if cell.cell_type == "code":
-            assert not cell.outputs, f"{path.name} cell {index} has outputs; run tools/make_notebooks.py"
-            assert cell.execution_count is None, f"{path.name} cell {index} has an execution count"
+            cell.outputs = [make.nbformat.v4.new_output("stream", text="out\n")]
+            cell.execution_count = 1
+    nb.metadata["cudnorm"]["executed"] = {"source_sha256": make.source_hash(nb), "device": "NVIDIA H100 80GB HBM3",
+                                          "cudnorm": "0.1.0", "commit": "abc1234"}
+    return nb
+
+
+def test_the_check_refuses_outputs_of_other_sources_or_of_a_cpu():
+    """What ``--check`` tells apart: a notebook executed on a GPU from its current sources
+    passes; edited cells, outputs of other sources, outputs of a CPU, and outputs that
+    ``--execute`` did not store are each refused."""
+    make = _make_notebooks()
+    source = make.SOURCES / "00_quickstart.py"
+    current = _executed_on_a_gpu(make, make.build(source))
+    assert make.problems(make.build(source), current, executed=False) == []
+    edited = _executed_on_a_gpu(make, make.build(source))
+    edited.cells[2].source += "\nprint('edited')"
+    assert "its cells differ from its source" in make.problems(make.build(source), edited, executed=False)[0]
+    stale = _executed_on_a_gpu(make, make.build(source))
+    stale.metadata["cudnorm"]["executed"]["source_sha256"] = "0" * 64
+    assert make.problems(make.build(source), stale, executed=False) == [
+        "its outputs come from other sources (executed at abc1234)"]
+    on_cpu = _executed_on_a_gpu(make, make.build(source))
+    on_cpu.metadata["cudnorm"]["executed"]["device"] = "cpu"
+    assert make.problems(make.build(source), on_cpu, executed=False) == ["its outputs were made on a CPU, not a GPU"]
+    by_hand = _executed_on_a_gpu(make, make.build(source))
+    del by_hand.metadata["cudnorm"]["executed"]
+    assert make.problems(make.build(source), by_hand, executed=False) == [
+        "it holds outputs that tools/make_notebooks.py --execute did not store"]
+    stripped = make.build(source)
+    assert make.problems(make.build(source), stripped, executed=False) == []
+    assert "no outputs of cudnorm" in make.problems(make.build(source), stripped, executed=True)[0]
 
 
 def test_notebooks_match_sources():
-    """The committed notebooks are what tools/make_notebooks.py builds from their sources."""
+    """The committed notebooks are what tools/make_notebooks.py builds from their sources, and
+    any outputs they hold were made from those sources on a GPU."""
     _require("nbformat")
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "make_notebooks.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, f"run `python tools/make_notebooks.py`:\n{done.stdout}{done.stderr}"
 
 
+@pytest.mark.slow
+def test_execute_stores_outputs_with_the_device_and_versions_first(tmp_path):
+    """``--execute`` (here with ``--allow-cpu``, the test machine has no GPU) stores the
+    notebook with its outputs, the environment cell's output first, and metadata naming the
+    device and the hash of the sources it ran."""
+    make = _make_notebooks()
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "make_notebooks.py"), "--execute", "--allow-cpu",
+                           "--into", str(tmp_path), "00_quickstart"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    nb = make.nbformat.read(tmp_path / "00_quickstart.ipynb", as_version=4)
+    first = nb.cells[0].outputs[0]["text"]
+    assert first.startswith("device: cpu\ncudnorm ") and " torch " in first
+    assert nb.metadata["cudnorm"]["executed"]["source_sha256"] == make.source_hash(make.build(
+        make.SOURCES / "00_quickstart.py"))
+    assert all(cell.outputs for cell in nb.cells if cell.cell_type == "code" and "print(" in cell.source)
+    refused = subprocess.run([sys.executable, str(ROOT / "tools" / "make_notebooks.py"), "--execute",
+                              "--into", str(tmp_path), "00_quickstart"], capture_output=True, text=True, timeout=600)
+    if not __import__("torch").cuda.is_available():
+        assert refused.returncode == 2 and "no CUDA device" in refused.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     nbformat = _require("nbformat")

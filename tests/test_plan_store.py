@@ -302,6 +302,7 @@ def _reader(root, stop, bad):
     bad.value += len(caught)
 
 
+@pytest.mark.slow  # several processes
 def test_concurrent_writers_and_a_reader(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     root = str(tmp_path / "plans")

@@ -73,6 +73,7 @@ BAD_ENVIRONMENTS = [
 ]
 
 
+@pytest.mark.slow  # a matrix of subprocesses
 def test_bad_environment_values_warn_and_use_the_defaults():
     """A malformed variable never breaks ``import cudnorm`` or a CLI command: one warning per
     variable names it, the value, what it must be and the default used instead. (The
@@ -157,27 +158,6 @@ def test_cli_output_into_a_closed_pipe_has_no_traceback():
     proc.stdout.close()  # nobody reads: the first write fails with EPIPE
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
-
-
-@pytest.mark.parametrize("argv", [["bench", "--ops", "nope"], ["bench", "--providers", "nope", "--quick"]])
-def test_cli_bad_option_values_are_one_line_errors(argv, capsys):
-    """A value the command cannot use is reported in one line with argparse's usage status 2,
-    not a traceback."""
-    from cudnorm.cli import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("cudnorm: error: cudnorm bench: argument '--") and "Traceback" not in err, err
-
-
-@pytest.mark.parametrize("build", [lambda: cudnorm.AdaLayerNormZero(64, 1000),  # diffusers: num_embeddings
-                                   lambda: cudnorm.AdaLayerNormContinuous(64, 32, False, 1e-6),  # diffusers' order
-                                   lambda: cudnorm.AdaLayerNorm(64, 10)])
-def test_ada_modules_refuse_positional_options(build):
-    """diffusers' classes of these names order their arguments differently: a positional
-    call must fail instead of building another module."""
-    with pytest.raises(TypeError, match="positional"):
-        build()
 
 
 def _extreme_rows(dtype, device, big):

@@ -261,7 +261,7 @@ def test_cli_warmup_builds_and_summarises(fake_gpu, cli_main, capsys):
 
 def test_cli_warmup_argument_errors(cli_main, capsys, tmp_path):
     assert cli_main(["warmup"]) == 2
-    assert "give a spec file or --preset" in capsys.readouterr().out
+    assert "give a spec file or --preset" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
     assert cli_main(["warmup", str(tmp_path / "bad.json")]) == 2
-    assert "not a cudnorm spec file" in capsys.readouterr().out
+    assert "argument spec_file: cudnorm.warmup:" in capsys.readouterr().err

@@ -4,10 +4,13 @@ cudnorm against its peers, checked, timed, tabulated and plotted.
 What it does, in order: measures the copy bandwidth (a 2 GiB device-to-device copy; 64 MiB
 on the CPU); on a GPU, unless filtered, captures a small training step in a CUDA graph and
 measures host overhead per call; then for every op and shape checks each provider against
-the fp64 reference and times the ones that pass. Results go to ``--out`` (default
-``benchmarks/results/<gpu-name>/`` or ``.../cpu/``): ``bench.csv``, ``bench.png`` (when
-matplotlib is installed), ``summary.md`` (the command, versions and every table) and CSVs of
-the two extra sections. The last thing printed is the results table with its legend.
+the fp64 reference and times the ones that pass. Results go to ``--out`` (default: a new
+temporary folder, printed): ``bench.csv``, ``bench.png`` (GB/s against N, every provider)
+and ``bench_speedup.png`` (cudnorm against eager PyTorch, :mod:`.plots`) when matplotlib is
+installed, ``summary.md`` (the command, versions and every table) and the CSVs (and, for the
+host overhead, the plot) of the extra sections. The last thing printed is the results table
+with its legend. On a CPU every provider runs PyTorch's code, so the times say nothing about
+cuDNN's speed: the run checks correctness and the pipeline, and says so.
 
 Ops: ``ln_fwd``, ``ln_bwd``, ``rms_fwd``, ``rms_bwd`` (bf16 x, fp32 weight and LN bias, eps 1e-6;
 forward = training forward), ``ada_fwd``, ``ada_bwd`` (DiT AdaLN ``norm(x) * (1 + scale) + shift``, when
@@ -17,7 +20,8 @@ for AdaLN. Providers: cudnorm (its cuDNN path at every size, ``policy="cudnn"``:
 default policy runs PyTorch's op for small calls, which the torch row times), torch (eager,
 weights in x's dtype), compile
 (``torch.compile(fullgraph=True)`` of the fp32-upcast reference), liger, quack, cudnn_ops
-(``cudnn.ops.norm``) -- each when importable on this device.
+(``cudnn.ops.norm``) -- each when importable on this device; ``torch-again`` (eager PyTorch
+timed a second time, the A/A control whose ratio to torch is the run's noise) when named.
 
 CSV columns:
 
@@ -40,7 +44,6 @@ CSV columns:
 from __future__ import annotations
 
 import importlib.metadata
-import re
 from pathlib import Path
 
 import torch
@@ -50,16 +53,6 @@ from .._progress import progress
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PEER_DISTRIBUTIONS = ("nvidia-cudnn-frontend", "triton", "liger-kernel", "quack-kernels")
-
-
-def device_slug(device: str) -> str:
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def default_out(device: str) -> Path:
-    """Where a run writes unless told: ``benchmarks/results/<gpu-name or cpu>``."""
-    return Path("benchmarks") / "results" / device_slug(device)
 
 
 def versions() -> str:
@@ -86,6 +79,7 @@ def _cuda_graph_section(out: Path):
 def _host_overhead_section(out: Path):
     results, how = host_overhead.bench()
     report.write_csv(results, out / "host_overhead.csv", columns=host_overhead.COLUMNS)
+    host_overhead.plot(results, torch.cuda.get_device_name(), out / "host_overhead.png")
     return how, host_overhead.table(results)
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from . import model_zoo, report, runner
+from . import model_zoo, plots, report, runner
 from .model_zoo import Case
 from .._progress import progress
 
@@ -263,6 +263,17 @@ def _recompiles_allowed(enabled: bool):
         torch._dynamo.reset()
 
 
+_INTS = ("batch", "seq", "width")
+_FLOATS = ("step_ms", "host_ms", "speedup", "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib",
+           "compile_s")
+
+
+def typed_row(row: dict) -> dict:
+    """A ``models.csv`` row as :func:`run_case` makes it: numbers as numbers, blanks as ``None``."""
+    return {k: None if v == "" and k in _INTS + _FLOATS else int(v) if k in _INTS else float(v) if k in _FLOATS
+            else v for k, v in row.items()}
+
+
 def blank_row(case: Case, provider: str) -> dict:
     return {"model": case.model, "case": case.id, "mode": case.mode, "provider": provider, "batch": case.batch,
             "seq": case.seq, "width": case.width, "step_ms": None, "host_ms": None, "speedup": None,
@@ -457,42 +468,15 @@ MODE_GROUPS = ("train", "train-compile", "infer / decode")
 
 
 def plot(rows: list[dict], device_name: str, path: Path) -> Path | None:
-    """Horizontal bars of each non-torch provider's speed-up per case, one panel per mode
-    group, a line at 1.0. ``None`` when matplotlib is missing or nothing was timed."""
-    try:
-        import matplotlib  # noqa: PLC0415 - optional
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return None
-    timed = [r for r in rows if r["provider"] != "torch" and r["speedup"]]
-    groups = [(title, [r for r in timed if mode_group(r["mode"]) == title]) for title in MODE_GROUPS]
-    groups = [(title, got) for title, got in groups if got]
-    if not groups:
-        return None
-    heights = [max(2.0, 0.35 * len(got) + 1.2) for _, got in groups]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(9, sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    for ax, (title, got) in zip(axes[:, 0], groups):
-        cases = list(dict.fromkeys(r["case"] for r in got))
-        providers = list(dict.fromkeys(r["provider"] for r in got))
-        bar = 0.8 / len(providers)
-        for i, p in enumerate(providers):
-            pts = [(cases.index(r["case"]) + i * bar, r["speedup"]) for r in got if r["provider"] == p]
-            ax.barh([y for y, _ in pts], [v for _, v in pts], height=bar, label=p)
-        ax.axvline(1.0, color="black", linewidth=1)
-        ax.set_yticks([i + bar * (len(providers) - 1) / 2 for i in range(len(cases))], cases, fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("speed-up over PyTorch's norms (step time, > 1 faster)")
-        ax.grid(axis="x", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"cudnorm bench --models on {device_name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    """The speed-up of each provider per case against PyTorch's norms, of the latest run in
+    ``rows`` (a results file keeps every device call in its ``call`` column), one panel per
+    mode group, the run's ``torch-again`` ratios as the noise band (:func:`.plots.ratio_plot`).
+    ``None`` when matplotlib is missing or nothing was timed."""
+    call, rows = plots.latest_run(rows)
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: MODE_GROUPS.index(mode_group(m)))
+    title = f"cudnorm bench --models on {device_name}" + (f", call {call}" if call else "")
+    return plots.ratio_plot(plots.model_panels(rows, {m: mode_group(m) for m in modes}), title=title,
+                            xlabel="speed-up over PyTorch's norms (step time, > 1 faster)", path=path)
 
 
 def markdown(meta: dict, lines_by_title: dict[str, list[list[str]]]) -> str:

@@ -258,9 +258,12 @@ class Provider:
     module: str | None = None  # must import for the provider to be available
     cuda_only: bool = False
     explicit_on_cpu: bool = False  # on a CPU-only machine, run only when named in --providers
+    explicit: bool = False  # run only when named in --providers
 
     def unavailable(self, device: str, requested: bool) -> str | None:
         """Why this provider cannot run here, or ``None``."""
+        if self.explicit and not requested:
+            return "runs when named in --providers"
         if device == "cpu" and self.cuda_only:
             return "needs CUDA"
         if device == "cpu" and self.explicit_on_cpu and not requested:
@@ -277,6 +280,8 @@ _LN_RMS = ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd")
 REGISTRY: dict[str, Provider] = {p.name: p for p in (
     Provider("cudnorm", cudnorm_setup, OPS),
     Provider("torch", torch_setup, OPS),
+    # the A/A control: PyTorch timed a second time; its ratio to torch is the run's noise
+    Provider("torch-again", torch_setup, OPS, explicit=True),
     Provider("compile", compile_setup, OPS, explicit_on_cpu=True),
     Provider("liger", liger_setup, _LN_RMS, module="liger_kernel", cuda_only=True),
     Provider("quack", quack_setup, _LN_RMS, module="quack.rmsnorm", cuda_only=True),

@@ -7,6 +7,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from . import plots
+
 COLUMNS = ("op", "shape", "M", "N", "provider", "status", "path", "plan", "build_s", "error", "bound",
            "ms", "gbps", "pct_copy", "speedup", "best_peer", "bytes")
 GOAL_PCT, GOAL_COLS = 90.0, (1024, 16384)  # issue 4: >= 90% of copy bandwidth for 1024 <= N <= 16384
@@ -24,12 +26,13 @@ misses: slower than the best peer, or < 90% of copy bandwidth where 1024 <= N <=
 
 def add_speedups(rows: list[dict]) -> None:
     """Set ``speedup`` and ``best_peer`` on every timed cudnorm row: the fastest *other*
-    provider's ms divided by cudnorm's ms, among rows of the same op and shape."""
+    provider's ms divided by cudnorm's ms, among rows of the same op and shape (the A/A
+    control, PyTorch timed again, is no peer)."""
     groups = defaultdict(list)
     for row in rows:
         groups[(row["op"], row["shape"])].append(row)
     for group in groups.values():
-        peers = [r for r in group if r["provider"] != "cudnorm" and r["ms"]]
+        peers = [r for r in group if r["provider"] not in ("cudnorm", plots.AA) and r["ms"]]
         for row in group:
             if row["provider"] == "cudnorm" and row["ms"] and peers:
                 best = min(peers, key=lambda r: r["ms"])
@@ -167,6 +170,13 @@ def plot(rows: list[dict], copy_gbps: float, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_speedups(rows: list[dict], device_name: str, path: Path) -> Path | None:
+    """cudnorm's kernel time against eager PyTorch's per op and shape, one panel per op, the
+    ``torch-again`` rows (when asked for) as the noise band (:func:`.plots.ratio_plot`)."""
+    return plots.ratio_plot(plots.op_panels(rows), title=f"cudnorm bench on {device_name}: cudnorm against eager PyTorch",
+                            xlabel="speed-up over eager PyTorch (kernel time, > 1 faster)", path=path, columns=2)
 
 
 def summary_markdown(meta: dict, tables: dict[str, list[list[str]]], sections: list[tuple[str, str, list]]) -> str:

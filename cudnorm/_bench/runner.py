@@ -48,8 +48,10 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
         except ValueError:
             shape = ()
         if len(shape) not in (2, 3) or min(shape) < 1:
-            raise ValueError(f"cudnorm bench: argument '--shapes' has {item!r}; expected MxN or BxSxD")
+            raise ValueError(f"{item!r} is not MxN or BxSxD (positive sizes, e.g. 32768x4096 or 8x1024x1152)")
         shapes.append(shape)
+    if not shapes:
+        raise ValueError(f"{text!r} names no shape; expected MxN or BxSxD (e.g. 32768x4096 or 8x1024x1152)")
     return shapes
 
 

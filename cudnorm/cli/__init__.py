@@ -1,4 +1,4 @@
-"""The ``cudnorm`` console command.
+"""The cudnorm console command: inspect the install, check the ops, benchmark, warm up graphs.
 
     cudnorm info                 versions, device, which path serves each op
     cudnorm check                info + every op checked against the fp64 reference
@@ -10,6 +10,11 @@
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> int``: it
 parses, calls the library, prints and picks the exit status. The library never imports
 this package. ``python -m cudnorm.cli`` is the same command without the console script.
+
+Exit statuses: 0 done; 1 a check or benchmark row failed, or a file could not be read or
+written (one line naming the path); 2 bad input (one line naming the argument, as argparse
+reports a usage error; :mod:`cudnorm.cli._args`); 130 interrupted; 141 the reader of the
+output went away. No traceback reaches the user for any of them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import argparse
 import os
 import sys
 
-from . import bench, build, cache, check, info, warmup
+from .._version import __version__
+from . import _args, bench, build, cache, check, info, warmup
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
@@ -31,23 +37,43 @@ SUBCOMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, reporting a usage error in one line (argparse prints the whole
+    usage before it, several lines for ``bench``) that points to ``--help``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cudnorm", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="cudnorm", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"cudnorm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_run=module.run)
         module.add_arguments(p)
     args = parser.parse_args(argv)
+    prog = f"{parser.prog} {args.command}"
     try:
         return int(args._run(args) or 0)
+    except _args.UsageError as exc:
+        return _error(prog, f"{exc} (see {prog} --help)", 2)
     except (TypeError, ValueError) as exc:
         if not str(exc).startswith("cudnorm"):
             raise  # not an argument error cudnorm reports: a bug, keep its traceback
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2  # argparse's status for a usage error
+        return _error(prog, f"{exc} (see {prog} --help)", 2)  # argparse's status for a usage error
     except BrokenPipeError:
         # the reader went away (`cudnorm info | head`): stop quietly, as shell tools do. Point
         # stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
+    except OSError as exc:  # a file the command could not read or write
+        return _error(prog, _args.describe_os_error(exc), 1)
+    except KeyboardInterrupt:
+        return _error(prog, "interrupted", 130)  # 128 + SIGINT, as a shell reports it
+
+
+def _error(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status

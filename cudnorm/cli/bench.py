@@ -3,42 +3,61 @@ parses, prints and picks the exit status).
 
 Run::
 
-    cudnorm bench                      # full run on the GPU (sized for < 8 min on one H100;
-                                       # summary.md records the real run time)
+    cudnorm bench --out benchmarks/results/<gpu>   # full run on the GPU (sized for < 8 min on one
+                                                   # H100; summary.md records the real run time)
     cudnorm bench --quick              # two small shapes, any device (CI runs this on CPU)
-    cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack --shapes 32768x4096
+    cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack,torch-again --shapes 32768x4096
     cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
-    cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNG, reprint
+    cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNGs, reprint
     cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2):
                                                 # _bench/models.py
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
-What a run measures, and the CSV's columns: :mod:`cudnorm._bench`. The last thing printed is
-the results table with its legend. Exits 1 when a cudnorm row failed.
+Without ``--out`` a run writes into a new temporary folder, printed first and last. What a
+run measures, and the CSV's columns: :mod:`cudnorm._bench`. On a CPU every provider runs
+PyTorch's code: the run checks correctness and the pipeline and says its times measure
+nothing about cuDNN (model runs add ``torch-again``, PyTorch against itself, to show the
+noise). The last thing printed is the results table with its legend. Exits 1 when a cudnorm
+row failed.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from .. import _bench
-from .._bench import model_zoo, models, providers, report, runner
+from .._bench import host_overhead, model_zoo, models, plots, providers, report, runner
 from .._spec import dtype_from_name
+from . import _args
+
+CPU_CAVEAT = ("On the CPU every provider runs PyTorch's code (cudnorm's fallback included): these times say "
+              "nothing about cuDNN or about cudnorm's speed on a GPU; this run checks correctness and the pipeline.")
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    try:
+        return runner.parse_shapes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few small shapes that finish in seconds (CI)")
     parser.add_argument("--ops", help=f"comma-separated subset of {','.join(providers.OPS)}")
     parser.add_argument("--providers", help=f"comma-separated subset of {','.join(providers.REGISTRY)}")
-    parser.add_argument("--shapes", help="comma-separated MxN (LN/RMS) and BxSxD (AdaLN) shapes")
+    parser.add_argument("--shapes", type=_shapes, help="comma-separated MxN (LN/RMS) and BxSxD (AdaLN) shapes")
     parser.add_argument("--dtype", choices=sorted(_bench.DTYPES), default="bf16",
                         help="activation dtype (default bf16)")
-    parser.add_argument("--out", help="output folder (default benchmarks/results/<gpu-name or cpu>)")
+    parser.add_argument("--out", type=_args.output_dir,
+                        help="output folder, made if missing (default: a new temporary folder)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="CUDA-graph section (GPU; on by default in a full run)")
     parser.add_argument("--host-overhead", action="store_true",
@@ -46,17 +65,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
                         help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
                              "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
-    parser.add_argument("--from-csv", metavar="CSV",
-                        help="run nothing: redraw the PNG and reprint the tables of a bench.csv")
+    parser.add_argument("--from-csv", metavar="CSV", type=_args.input_file,
+                        help="run nothing: redraw the plots and reprint the tables of a bench.csv, models.csv "
+                             "or host_overhead.csv")
+    parser.add_argument("--call", help="with --from-csv of a results file with a 'call' column: draw this "
+                                       "device call (default: the latest)")
 
 
 def _pick(text: str | None, known, what: str) -> list[str]:
-    if not text:
+    """The names ``--<what>`` lists (all of ``known`` when the flag is not given)."""
+    if text is None:
         return list(known)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"cudnorm bench: argument '--{what}' has unknown {unknown}; expected some of {list(known)}")
+    if unknown or not names:
+        found = f"has unknown {unknown}" if unknown else "names nothing"
+        raise _args.UsageError(f"--{what}", f"{found}; expected some of {list(known)}")
     return names
 
 
@@ -68,8 +92,10 @@ def _command(args) -> str:
     parts += ["--quick"] if args.quick else []
     for flag in ("ops", "providers", "shapes", "dtype", "out"):
         value = getattr(args, flag)
+        if flag == "shapes" and value:
+            value = ",".join("x".join(map(str, shape)) for shape in value)
         if value and not (flag == "dtype" and value == "bf16"):
-            parts += [f"--{flag}", value]
+            parts += [f"--{flag}", str(value)]
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
     return shlex.join(parts)
 
@@ -80,36 +106,114 @@ def _print_tables(rows: list[dict], names: list[str], copy_gbps: float) -> None:
         print(f"\n{op}  GB/s  (copy {copy_gbps:.0f} GB/s)\n{report.text_table(lines)}")
 
 
-def _from_csv(path: Path) -> int:
-    """Redraw ``bench.png`` next to ``path`` and reprint its tables (e.g. where the GPU
-    machine that ran the benchmark had no matplotlib)."""
-    rows = report.read_csv(path)
-    copy_gbps = next(100.0 * r["gbps"] / r["pct_copy"] for r in rows if r["pct_copy"])
-    png = report.plot(rows, copy_gbps, path.with_suffix(".png"))
-    print(f"redrew {png}" if png else "no PNG: matplotlib is not installed")
+def _from_csv(path: Path, call: str | None) -> int:
+    """Redraw the plots of a results CSV next to it and reprint its tables (e.g. where the
+    GPU machine that ran the benchmark had no matplotlib): a ``bench.csv`` (``<stem>.png``,
+    ``<stem>_speedup.png``), a ``models.csv`` or a ``host_overhead.csv`` (``<stem>.png``),
+    told apart by their columns; ``call`` picks one device call of a file that keeps several."""
+    try:
+        with open(path, newline="") as f:
+            columns = set(next(csv.reader(f), []))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise _args.UsageError("--from-csv", f"{str(path)!r} is not a CSV file ({exc})") from None
+    if call is not None and "call" not in columns:
+        raise _args.UsageError("--call", f"{str(path)!r} has no 'call' column")
+    kinds = [(report.COLUMNS, _redraw_ops), (models.COLUMNS, _redraw_models), (host_overhead.COLUMNS, _redraw_host)]
+    redraw = next((redraw for needed, redraw in kinds if set(needed) <= columns), None)
+    if redraw is None:
+        raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv or host_overhead.csv "
+                                             f"(columns {sorted(columns)[:8]})")
+    try:  # the file is the input: a value that does not parse is a usage error
+        rows = _typed_rows(redraw, path, call)
+    except (KeyError, ValueError, TypeError, csv.Error) as exc:
+        raise _args.UsageError("--from-csv", f"{str(path)!r} has a malformed row ({type(exc).__name__}: "
+                                             f"{str(exc)[:120]})") from None
+    return redraw(rows, path)
+
+
+def _typed_rows(redraw, path: Path, call: str | None) -> list[dict]:
+    """The rows of a results CSV as the benchmark that ``redraw`` redraws made them (numbers
+    as numbers), only those of ``call`` when given."""
+    if redraw is _redraw_ops:
+        rows = report.read_csv(path)
+    else:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    if call is not None:
+        rows = [r for r in rows if r.get("call") == call]
+        if not rows:
+            raise _args.UsageError("--call", f"{call!r} is not a call of {str(path)!r}")
+    if redraw is _redraw_models:
+        return [models.typed_row(r) for r in rows]
+    if redraw is _redraw_host:
+        return [{**r, **{k: float(r[k]) for k in ("same_us", "fresh_us", "vs_torch")}} for r in rows]
+    return rows
+
+
+def _redraw_ops(rows: list[dict], path: Path) -> int:
+    copy_gbps = next((100.0 * r["gbps"] / r["pct_copy"] for r in rows if r["pct_copy"]), None)
+    if copy_gbps is None:
+        raise _args.UsageError("--from-csv", f"{str(path)!r} has no timed row")
+    pngs = [p for p in (report.plot(rows, copy_gbps, path.with_suffix(".png")),
+                        report.plot_speedups(rows, path.parent.name, path.with_name(f"{path.stem}_speedup.png"))) if p]
+    print("redrew " + ", ".join(map(str, pngs)) if pngs else "no PNG: matplotlib is not installed")
     _print_tables(rows, list(dict.fromkeys(r["provider"] for r in rows)), copy_gbps)
+    return 0
+
+
+def _redraw_models(rows: list[dict], path: Path) -> int:
+    png = models.plot(rows, path.parent.name, path.with_suffix(".png"))
+    print(f"redrew {png}" if png else "no PNG: matplotlib is not installed or nothing was timed")
+    call, latest = plots.latest_run(rows)
+    print("\n" + models.LEGEND)
+    for title, lines in models.tables(latest).items():
+        print(f"\n{title}" + (f" (call {call})" if call else "") + f"\n{report.text_table(lines, right=0)}")
+    return 0
+
+
+def _redraw_host(rows: list[dict], path: Path) -> int:
+    png = host_overhead.plot(rows, path.parent.name, path.with_suffix(".png"))
+    print(f"redrew {png}" if png else "no PNG: matplotlib is not installed")
+    print(report.text_table(host_overhead.table(rows), right=0))
     return 0
 
 
 def run(args) -> int:
     if args.from_csv:
-        return _from_csv(Path(args.from_csv))
+        return _from_csv(args.from_csv, args.call)
+    if args.call is not None:
+        raise _args.UsageError("--call", "only goes with --from-csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out or _bench.default_out(device))
-    if getattr(args, "models", None):
-        return _run_models(args, device, out)
-    return _run_ops(args, device, out)
+    if args.models:  # what to run, checked before anything is written
+        for flag, default in (("ops", None), ("shapes", None), ("dtype", "bf16")):
+            if getattr(args, flag) != default:
+                raise _args.UsageError(f"--{flag}", "does not apply to --models (its cases fix their shapes and dtype)")
+        # on a CPU PyTorch against itself shows how far apart equal kernels time (every provider runs PyTorch's code)
+        defaults = models.DEFAULT_PROVIDERS + (("torch-again",) if device == "cpu" else ())
+        chosen = (_pick(",".join(defaults) if args.providers is None else args.providers, models.PROVIDERS, "providers"),
+                  model_zoo.select(model_zoo.all_cases(args.quick), args.models, device, args.quick))
+        if not chosen[1]:
+            raise _args.UsageError("--models", f"no case matches {args.models!r} (case ids look like "
+                                               "dit-1152-b8-s1024:train-compile)")
+    else:
+        chosen = (_pick(args.ops, providers.OPS, "ops"), _pick(args.providers, providers.REGISTRY, "providers"))
+    out = args.out or Path(tempfile.mkdtemp(prefix="cudnorm-bench-"))
+    print(f"writing into {out}")
+    if device == "cpu":
+        print(CPU_CAVEAT)
+    if args.models:
+        return _run_models(args, device, out, *chosen)
+    return _run_ops(args, device, out, *chosen)
 
 
-def _run_ops(args, device: str, out: Path) -> int:
+def _run_ops(args, device: str, out: Path, ops: list[str], names: list[str]) -> int:
+    """``cudnorm bench``: ``ops`` by the providers ``names`` (those that run here); tables last."""
     import cudnorm  # noqa: PLC0415
 
     started = time.perf_counter()
     dtype = dtype_from_name(_bench.DTYPES[args.dtype])
-    ops = _pick(args.ops, providers.OPS, "ops")
     registry = providers.REGISTRY
-    names = _pick(args.providers, registry, "providers")
-    custom_shapes = runner.parse_shapes(args.shapes) if args.shapes else None
+    custom_shapes = args.shapes
     if not hasattr(cudnorm, "ada_layer_norm"):
         dropped = [op for op in ops if op.startswith("ada")]
         ops = [op for op in ops if op not in dropped]
@@ -119,7 +223,7 @@ def _run_ops(args, device: str, out: Path) -> int:
     print(f"cudnorm bench on {device} ({_bench.versions()})")
     for name in names:
         why = registry[name].unavailable(device, requested=bool(args.providers))
-        print(f"  provider {name:<10} {'available' if why is None else why}")
+        print(f"  provider {name:<12} {'available' if why is None else why}")
         if why is None:
             chosen.append(registry[name])
     out.mkdir(parents=True, exist_ok=True)
@@ -130,8 +234,10 @@ def _run_ops(args, device: str, out: Path) -> int:
     sections = _bench.extras(device, out, graphs=args.cuda_graph, host=args.host_overhead, plain=plain)
 
     rows = _bench.run_ops(ops, chosen, dtype, device, timer, copy_gbps, out, quick=args.quick, shapes=custom_shapes)
-    png = report.plot(rows, copy_gbps, out / "bench.png")
-    meta = {"command": _command(args), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    pngs = [p for p in (report.plot(rows, copy_gbps, out / "bench.png"),
+                        report.plot_speedups(rows, device_name, out / "bench_speedup.png")) if p]
+    meta = {"command": _command(args), "device": device_name,
             "versions": _bench.versions(), "copy bandwidth": f"{copy_gbps:.0f} GB/s", "timer": timer_text,
             "argv": " ".join(sys.argv), "run time": f"{time.perf_counter() - started:.0f} s"}
     tables = report.op_tables(rows, [p.name for p in chosen])
@@ -140,25 +246,22 @@ def _run_ops(args, device: str, out: Path) -> int:
     for title, how, lines in sections:
         print(f"\n{title}\n{how}\n" + (report.text_table(lines, right=0) if lines else ""))
     print(f"\nwrote {out / 'bench.csv'}, {out / 'summary.md'}"
-          + (f", {png}" if png else " (no PNG: matplotlib is not installed)") + f" after {meta['run time']}")
+          + (", " + ", ".join(map(str, pngs)) if pngs else " (no PNG: matplotlib is not installed)")
+          + f" after {meta['run time']}")
     failed = [r for r in rows if r["provider"] == "cudnorm" and r["status"] != "ok"]
     for r in failed:
         print(f"FAILED: cudnorm {r['op']} {r['shape']}: {r['status']}")
+    if device == "cpu":
+        print("\n" + CPU_CAVEAT)
     _print_tables(rows, [p.name for p in chosen], copy_gbps)
     return 1 if failed else 0
 
 
-def _run_models(args, device: str, out: Path) -> int:
-    """``cudnorm bench --models [FILTER]``: run, write models.csv/.png/.md to ``out``, print
-    the tables last. Returns 1 when a cudnorm row failed, 2 when the arguments select nothing."""
+def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> int:
+    """``cudnorm bench --models [FILTER]``: run ``cases`` with the providers ``asked`` (those
+    that run here), write models.csv/.png/.md to ``out``, print the tables last. Returns 1
+    when a cudnorm row failed."""
     started = time.perf_counter()
-    asked = [n.strip() for n in (args.providers or ",".join(models.DEFAULT_PROVIDERS)).split(",") if n.strip()]
-    unknown = [n for n in asked if n not in models.PROVIDERS]
-    cases = model_zoo.select(model_zoo.all_cases(args.quick), args.models, device, args.quick)
-    if unknown or not cases:
-        print(f"cudnorm bench --models: unknown providers {unknown}; expected some of {list(models.PROVIDERS)}"
-              if unknown else f"cudnorm bench --models: no case matches {args.models!r}", file=sys.stderr)
-        return 2
     usable, notes = models.usable_providers(asked, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = models.QUICK_SETTINGS if args.quick else models.Settings()
@@ -180,6 +283,8 @@ def _run_models(args, device: str, out: Path) -> int:
     failed = [r for r in rows if r["provider"].startswith("cudnorm") and not r["status"].startswith("ok")]
     for r in failed:
         print(f"FAILED: cudnorm {r['case']}: {r['status']}")
+    if device == "cpu":
+        print("\n" + CPU_CAVEAT)
     print("\n" + models.LEGEND)
     for title, lines in lines_by_title.items():
         print(f"\n{title}\n{report.text_table(lines, right=0)}")

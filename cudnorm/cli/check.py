@@ -7,13 +7,32 @@ Exits 1 on any failure, so it doubles as an installation test.
 
 from __future__ import annotations
 
+import argparse
+
+import torch
+
 from .._info import info
 from .._self_check import check
 from ._output import print_json_or_table
 
 
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but this machine has no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    return text
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
 
 
 def run(args) -> int:

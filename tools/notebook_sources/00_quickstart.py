@@ -14,13 +14,13 @@
 # %% [markdown]
 # ## Install
 #
-# Pick the extra that matches the CUDA major version of your PyTorch build (it pulls the
-# cuDNN runtime wheel); a CPU-only install needs no extra:
+# From a checkout of the repository (cudnorm is not on PyPI). On a GPU, pick the extra that
+# matches the CUDA major version of your PyTorch build (it brings the cuDNN frontend and
+# runtime); on a CPU, install PyTorch's CPU build first and no extra:
 #
 # ```bash
-# pip install "cudnorm[cu12]"   # torch built for CUDA 12.x
-# pip install "cudnorm[cu13]"   # torch built for CUDA 13.x
-# pip install cudnorm           # CPU only: every op runs PyTorch's kernels
+# pip install -e ".[cu13]"   # torch built for CUDA 13.x (".[cu12]" for CUDA 12.x)
+# pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install -e .   # CPU only
 # ```
 #
 # ## Setup

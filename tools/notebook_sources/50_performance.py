@@ -66,18 +66,21 @@ assert done.returncode == 0, done.returncode
 # %% [markdown]
 # ## Committed GPU results
 #
-# The full benchmark (`cudnorm bench` on a GPU, about eight minutes) writes
-# `benchmarks/results/<gpu-name>/`: `bench.csv`, `bench.png` and `summary.md`. The results
+# The full benchmark (`cudnorm bench --out benchmarks/results/<gpu-name>` on a GPU, about eight
+# minutes) writes `bench.csv`, `bench.png`, `bench_speedup.png` and `summary.md` there. The results
 # committed with this version are shown below; the performance page of the docs shows the
 # same files.
 
 # %%
 results = Path.cwd().parent / "benchmarks" / "results"
-committed = sorted(p for p in results.glob("*/bench.png") if p.parent.name != "cpu")
+# GB/s against N (bench), cudnorm against PyTorch per op (*_speedup), whole model steps
+# (models) and host time per call (host_overhead): each a ratio around 1.0 with the run's noise band
+plots = ("bench", "bench_speedup", "ops_speedup", "models", "host_overhead")
+committed = sorted(p for p in results.glob("*/*.png") if p.stem in plots)
 if not committed:
     print(f"No GPU results are committed in {results} yet: run `cudnorm bench` on a GPU to make them.")
 for png in committed:
-    display(Markdown(f"### {png.parent.name}"))
+    display(Markdown(f"### {png.parent.name}: {png.name}"))
     display(Image(filename=str(png)))
 
 # %% [markdown]

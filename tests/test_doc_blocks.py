@@ -1,0 +1,98 @@
+"""Every code block of README.md and docs/ runs as written (``tools/doc_blocks.py`` lists them
+and says where each runs).
+
+The blocks of one page and tier run in order in a fresh copy of the checkout, as a reader
+would type them there: a ``python`` block as a script, a ``bash`` block as a ``bash -e``
+script (``cudnorm`` and ``python`` are this interpreter and this checkout). Unmarked blocks
+run on the CPU, in the slow tier (each starts an interpreter), ``gpu`` ones on a GPU (on as
+many GPUs as a ``--nproc-per-node`` in them asks). The ``ci-setup`` and ``ci-tests``
+blocks install and run the test suite itself, so ``.ci/run`` runs them; here it is checked
+that it does. A block that stops running fails its page's test, naming the block's line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _doc_blocks():
+    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tools" / "doc_blocks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+doc_blocks = _doc_blocks()
+BLOCKS = doc_blocks.blocks()
+_RUN_HERE = {"cpu": [pytest.mark.slow], "gpu": [pytest.mark.gpu]}
+
+
+def _groups():
+    """``pytest.param((page, kind))`` for every page and kind of block run here."""
+    groups = defaultdict(list)
+    for block in BLOCKS:
+        if block.kind in _RUN_HERE:
+            groups[(block.page, block.kind)].append(block)
+    return [pytest.param(blocks, id=f"{page}-{kind}", marks=_RUN_HERE[kind]) for (page, kind), blocks in groups.items()]
+
+
+def test_every_block_has_a_known_language_and_place():
+    """python/bash run, text is output; each runs here or in .ci/run, which runs the README's
+    set-up and test blocks as written (through tools/doc_blocks.py)."""
+    wrong = [f"{b.where}: {b.language!r} block, kind {b.kind!r}" for b in BLOCKS
+             if b.language not in doc_blocks.LANGUAGES or (b.language == "text") != (b.kind == "output")
+             or b.kind not in (*doc_blocks.KINDS, "output")]
+    assert not wrong, "blocks without a known language or place:\n" + "\n".join(wrong)
+    ci = (ROOT / ".ci" / "run").read_text()
+    for kind in ("ci-setup", "ci-tests"):
+        assert [b for b in BLOCKS if b.kind == kind and b.page == "README.md"], f"README.md has no {kind} block"
+        assert f"tools/doc_blocks.py {kind})" in ci, f".ci/run does not run the {kind} blocks"
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A copy of the checkout's tracked files (blocks write files, relative to it) and the
+    environment its blocks run in."""
+    copy = tmp_path / "checkout"
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, command in (("cudnorm", f'exec "{sys.executable}" -m cudnorm.cli "$@"'),
+                          ("python", f'exec "{sys.executable}" "$@"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(copy),
+           "MPLBACKEND": "Agg", "CUDNORM_PLAN_STORE_DIR": str(tmp_path / "plans"), "OMP_NUM_THREADS": "1"}
+    return copy, env
+
+
+@pytest.mark.parametrize("blocks", _groups())
+def test_blocks_run_as_written(blocks, checkout):
+    copy, env = checkout
+    wanted = max([int(n) for b in blocks for n in re.findall(r"--nproc-per-node (\d+)", b.code)] + [1])
+    if blocks[0].kind == "gpu" and torch.cuda.device_count() < wanted:
+        pytest.skip(f"needs {wanted} GPUs")
+    for block in blocks:
+        script = copy / f"doc-block-{block.line}.{'py' if block.language == 'python' else 'sh'}"
+        script.write_text(block.code)
+        command = [sys.executable, str(script)] if block.language == "python" else ["bash", "-e", str(script)]
+        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (f"{block.where} stopped running (exit {done.returncode}):\n{block.code}\n"
+                                      f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")
