@@ -88,7 +88,7 @@ def status() -> dict:
     if _settings.current.native == "off":
         reason = "off (Config.native='off')"
     elif _state.status == "untried":
-        reason = "not loaded yet (loads at the first CUDA call; `cudnorm build` builds it ahead)"
+        reason = "not loaded yet (loads at the first CUDA call; cudnorm build builds it ahead)"
     elif _state.status == "active" and not active:
         reason = "paused (cuDNN disabled or specs being recorded)"
     else:
@@ -139,21 +139,21 @@ def _toolchain() -> dict:
         raise Unavailable("this torch is not a CUDA build", "install a CUDA build of torch")
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
-        raise Unavailable(f"no C++ compiler ({cxx!r} not found)", "install g++ (e.g. `apt install g++`) or set CXX")
+        raise Unavailable(f"no C++ compiler ({cxx!r} not found)", "install g++ (e.g. apt install g++) or set CXX")
     if not cpp_extension.is_ninja_available():
-        raise Unavailable("ninja is not installed", "`pip install ninja`")
+        raise Unavailable("ninja is not installed", "pip install ninja")
     try:
         frontend = importlib.metadata.distribution("nvidia-cudnn-frontend").locate_file("include")
     except importlib.metadata.PackageNotFoundError:
         frontend = None
     if frontend is None or not (Path(frontend) / "cudnn_frontend.h").exists():
-        raise Unavailable("the cuDNN frontend's C++ headers were not found", "`pip install nvidia-cudnn-frontend`")
+        raise Unavailable("the cuDNN frontend's C++ headers were not found", "pip install nvidia-cudnn-frontend")
     wheels = _nvidia_dirs()
     loaded = _loaded_library("libcudnn.so")
     cudnn_roots = ([loaded.parent.parent] if loaded else []) + [d / "cudnn" for d in wheels]
     cudnn = _first(cudnn_roots, "include/cudnn.h")
     if cudnn is None:
-        raise Unavailable("cuDNN's headers were not found", f"`pip install nvidia-cudnn-cu{cuda}` (the cuDNN torch uses)")
+        raise Unavailable("cuDNN's headers were not found", f"pip install nvidia-cudnn-cu{cuda} (the cuDNN torch uses)")
     home = Path(cpp_extension.CUDA_HOME) if cpp_extension.CUDA_HOME else None
     cuda_includes = [d for d in [home / "include" if home else None,
                                  *(d / f"cu{cuda}" / "include" for d in wheels),
@@ -165,8 +165,8 @@ def _toolchain() -> dict:
     for header in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target", "nvrtc.h"):
         if _first(cuda_includes, header) is None:
             raise Unavailable(f"the CUDA header {header} was not found",
-                              "install the CUDA toolkit (and set CUDA_HOME) or `pip install "
-                              f"nvidia-cuda-runtime nvidia-cuda-nvrtc nvidia-cuda-cccl nvidia-cuda-crt` for CUDA {cuda}")
+                              "install the CUDA toolkit (and set CUDA_HOME) or pip install "
+                              f"nvidia-cuda-runtime nvidia-cuda-nvrtc nvidia-cuda-cccl nvidia-cuda-crt for CUDA {cuda}")
     lib_dirs = [loaded.parent if loaded else None, *(d / "cudnn" / "lib" for d in wheels),
                 *(d / f"cu{cuda}" / "lib" for d in wheels), *(d / "cuda_runtime" / "lib" for d in wheels),
                 *(d / "cuda_nvrtc" / "lib" for d in wheels),
@@ -274,7 +274,7 @@ def build(verbose: bool = False) -> Path:
     except Exception as exc:  # a compile or load error: its first lines say what went wrong
         lines = [line for line in str(exc).splitlines() if "error" in line.lower()] or str(exc).splitlines()
         raise Unavailable(f"building {CSRC} failed ({' | '.join(lines[:3])[:400]})",
-                          f"see the log in {directory}, or run `cudnorm build --verbose`") from exc
+                          f"see the log in {directory}, or run cudnorm build --verbose") from exc
     finally:
         if ticker:
             ticker.__exit__(None, None, None)
