@@ -1,14 +1,17 @@
 """Which kernels serve a call: cuDNN's graphs, or PyTorch's own ops where those make the
 model faster.
 
-A cudnorm call costs more host time than PyTorch's C++ op (argument handling, plan lookup,
-an ``autograd.Function`` node and a Python backward; docs/performance.md, "Where the host
-time goes"). When a model step is bound by the host, the GPU runs each kernel as soon as it
-is enqueued and that extra host time is added to the step, while the kernel saving of a
-small norm is a few microseconds; only when the GPU bounds the step does the host time hide
-behind queued kernels and the cuDNN kernel's saving reach the step. Under ``torch.compile``
-Inductor fuses PyTorch's norm with the ops around it (the modulation, residual adds), which
-an opaque custom op prevents.
+On the Python launch path a cudnorm call costs more host time than PyTorch's C++ op
+(argument handling, plan lookup, an ``autograd.Function`` node and a Python backward;
+docs/performance.md, "Where the host time goes"). When a model step is bound by the host,
+the GPU runs each kernel as soon as it is enqueued and that extra host time is added to the
+step, while the kernel saving of a small norm is a few microseconds; so that path keeps
+cuDNN for large calls only (:data:`CUDNN_MIN_ELEMENTS`). The native launch path
+(:mod:`cudnorm._native`) costs about PyTorch's host time, and with it every eager call runs
+on cuDNN (:data:`NATIVE_CUDNN_MIN_ELEMENTS`). Under ``torch.compile`` Inductor fuses
+PyTorch's norm with the ops around it (the modulation, residual adds), which an opaque
+custom op prevents: the native op inside a compiled graph still lost (docs/performance.md,
+Decisions).
 
 Rules for ``cudnorm.config(policy="auto")`` (the default), for a call whose weights (scale/shift)
 have the input's dtype; where PyTorch's ops serve, the public functions call them directly,
@@ -23,7 +26,8 @@ with no cudnorm op or autograd node in between:
    the dispatcher and DTensor's sharding propagation, host time no measurement has yet shown
    the kernel saving to repay; other subclasses have rules for PyTorch's ops only;
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
-3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements: PyTorch's ops;
+3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements (while the native launch
+   path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`: none): PyTorch's ops;
 4. otherwise cuDNN.
 
 Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its

@@ -94,7 +94,12 @@ def test_select_and_unknown_filter():
           for mode in ("train", "train-autocast", "infer")),
         *(f"dit-1152-b8-s{s}:{mode}" for s in (256, 1024) for mode in ("train", "train-compile", "infer",
                                                                          "train-autocast")),
+        *(f"dit-1152-b8-s256:{mode}" for mode in model_zoo.EXTRA_COMPILE_MODES),
         "dit-1152-b32-s1024:train", "llama-4096:decode-b1"}
+    # torch.compile's modes: the default, and the two named ones on a host-bound and a GPU-bound step
+    modes = {c.id.partition(":")[2]: c.compile_mode for c in model_zoo.select(cases, "dit-1152-b32-s1024", "cuda", False)}
+    assert modes == {"train": None, "infer": None, "train-compile": None,
+                     "train-compile-max-autotune": "max-autotune", "train-compile-reduce-overhead": "reduce-overhead"}
     sd3 = next(c for c in cases if c.model == "sd3")
     assert (sd3.batch, sd3.seq, sd3.text, sd3.width, sd3.width // sd3.heads) == (2, 4096, 154, 1536, 64)
     flux = next(c for c in cases if c.model == "flux")

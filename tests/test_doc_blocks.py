@@ -78,7 +78,10 @@ def checkout(tmp_path):
                           ("python", f'exec "{sys.executable}" "$@"')):
         (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(copy),
+    # the copy first (its cudnorm is imported), then what the caller's PYTHONPATH held (where
+    # packages come from it, as on the GPU machines: the cuDNN frontend)
+    path = os.pathsep.join(filter(None, (str(copy), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path,
            "MPLBACKEND": "Agg", "CUDNORM_PLAN_STORE_DIR": str(tmp_path / "plans"), "OMP_NUM_THREADS": "1"}
     return copy, env
 

@@ -544,7 +544,8 @@ class Case:
 
     model: str  # "dit" | "sd3" | "flux" | "llama" | "gpt2"
     name: str  # e.g. "dit-1152-b8-s1024"
-    mode: str  # "train" | "train-compile" | "train-autocast" | "infer" | "decode-b<N>"
+    # "train" | "train-compile[-<torch.compile mode>]" | "train-autocast" | "infer" | "decode-b<N>"
+    mode: str
     batch: int
     seq: int
     width: int
@@ -564,7 +565,18 @@ class Case:
 
     @property
     def compiled(self) -> bool:
-        return self.mode.endswith("compile")
+        return "compile" in self.mode
+
+    @property
+    def compile_mode(self) -> str | None:
+        """``torch.compile``'s ``mode`` (``"max-autotune"``, ``"reduce-overhead"``) of a
+        ``train-compile-<mode>`` case; ``None`` for its default (and uncompiled cases)."""
+        return self.mode.partition("compile")[2].lstrip("-") or None
+
+    def compile(self, fn: Callable) -> Callable:
+        """``fn`` compiled as this case asks (static shapes: each new (B, S, D) is a
+        recompile, as for a fixed-resolution job), or ``fn`` itself when not compiled."""
+        return torch.compile(fn, dynamic=False, mode=self.compile_mode) if self.compiled else fn
 
     @property
     def autocast(self) -> bool:
@@ -573,6 +585,11 @@ class Case:
     @property
     def decode(self) -> bool:
         return self.mode.startswith("decode")
+
+
+# torch.compile's modes besides its default, measured on a host-bound and a GPU-bound DiT step:
+# mode="reduce-overhead" replays CUDA graphs (no host cost left, only kernels and fusions count)
+EXTRA_COMPILE_MODES = ("train-compile-max-autotune", "train-compile-reduce-overhead")
 
 
 def _dit_cases(dims, seqs, batches, depth) -> list[Case]:
@@ -620,6 +637,8 @@ def all_cases(quick: bool) -> list[Case]:
                 + _llama_cases(64, 4, 128, 2, (2, 32), (1, 2), context=64)
                 + [Case("gpt2", "gpt2-64-b2-s32", mode, 2, 32, 64, 4, 2) for mode in ("train", "train-compile")])
     dit = _dit_cases([(1152, 16), (3072, 24)], [256, 1024], [2, 8, 32], depth=4)
+    dit += [replace(c, mode=mode) for c in dit if c.mode == "train" and c.name in ("dit-1152-b8-s256", "dit-1152-b32-s1024")
+            for mode in EXTRA_COMPILE_MODES]
     return (dit + _autocast_cases([c for c in dit if c.mode == "train" and c.name.startswith("dit-1152-b8-")])
             + _sd3_cases(2, 4096, 154, 1536, 24, depth=6) + _flux_cases(1, 4608, 3072, 24, depth=4)
             + _llama_cases(4096, 32, 11008, 4, (2, 4096), (1, 32), context=1024)
@@ -663,6 +682,8 @@ def norm_work(case: Case, provider: str, device: str, dtype: torch.dtype) -> Cal
         return torch.randn(shape, device=device, dtype=act, requires_grad=case.train)
 
     def compiled(fn):
+        # torch.compile's default mode whatever the case's: this work is itself captured in a
+        # CUDA graph (models.norm_ms), which mode="reduce-overhead"'s own graphs cannot nest in
         return torch.compile(fn, dynamic=False) if case.compiled else fn
 
     def ada(tokens: int, chunks: int, count: int) -> None:

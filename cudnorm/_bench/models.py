@@ -129,9 +129,14 @@ class Workload:
     forward: Callable[..., torch.Tensor]
     inputs: Callable[[torch.Generator | None], tuple[torch.Tensor, ...]]
     train: bool
+    # compiled with mode="reduce-overhead": each step starts a new round of CUDA-graph replays
+    # (the previous step's graph outputs may be overwritten; nothing keeps them)
+    new_graph_step: bool = False
 
     def step(self, gen: torch.Generator | None = None) -> torch.Tensor:
         """One step on fresh inputs; returns once backward (or the forward) has been enqueued."""
+        if self.new_graph_step:
+            torch.compiler.cudagraph_mark_step_begin()
         inputs = self.inputs(gen)
         if not self.train:
             with torch.no_grad():
@@ -165,8 +170,7 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
     inputs = _randn(device, act, (b, s, d))
     if case.model == "dit":
         model = model_zoo.build_dit(d, case.heads, case.depth, provider).to(device, params)
-        # static shapes: each new (B, S, D) is a recompile, as for a fixed-resolution job
-        blocks = [torch.compile(blk, dynamic=False) for blk in model.blocks] if case.compiled else model.blocks
+        blocks = [case.compile(blk) for blk in model.blocks]
 
         def forward(x, c):
             for block in blocks:
@@ -182,15 +186,16 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
         inputs = _randn(device, act, (b, s, d), (b, d))
     elif case.model == "gpt2":
         model = model_zoo.build_gpt(d, case.heads, case.depth, provider).to(device, params)
-        forward = torch.compile(model, dynamic=False) if case.compiled else model
+        forward = case.compile(model)
     else:
         model = model_zoo.build_llama(d, case.heads, case.intermediate, case.depth, provider,
                                       max_pos=max(case.context, s)).to(device, params)
         if case.decode:
             model.make_cache(b, case.context, prefill=s)
             return Workload(model, model.decode_step, _randn(device, act, (b, 1, d)), train=False)
-        forward = torch.compile(model, dynamic=False) if case.compiled else model
-    return Workload(model, _under_autocast(forward, device) if case.autocast else forward, inputs, case.train)
+        forward = case.compile(model)
+    return Workload(model, _under_autocast(forward, device) if case.autocast else forward, inputs, case.train,
+                    new_graph_step=case.compile_mode == "reduce-overhead")
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,7 +239,7 @@ def _check_result(w: Workload, case: Case, device: str) -> tuple[torch.Tensor, t
     if case.decode:
         w.model.position = w.model.prefill  # the same cache contents for every provider
     gen = torch.Generator(device=device).manual_seed(1234)
-    out = w.step(gen).detach()
+    out = w.step(gen).detach().clone()  # a CUDA-graph output is overwritten by the next replay
     grad = model_zoo.first_linear_weight(w.model).grad if case.train else None
     return out, None if grad is None else grad.detach().clone()
 
@@ -461,7 +466,7 @@ def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
 def mode_group(mode: str) -> str:
     """The plot panel of a mode: "train" (``train-autocast`` too), "train-compile" or
     "infer / decode"."""
-    return "train-compile" if mode.endswith("compile") else "train" if mode.startswith("train") else "infer / decode"
+    return "train-compile" if "compile" in mode else "train" if mode.startswith("train") else "infer / decode"
 
 
 MODE_GROUPS = ("train", "train-compile", "infer / decode")
