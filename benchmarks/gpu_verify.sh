@@ -30,10 +30,19 @@ for stage in "$@"; do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$out/gpu_ids.txt" > "$out/ids_$i"
         mapfile -t ids < "$out/ids_$i"
         CUDNORM_PLAN_STORE_DIR="$out/plan-store-$i" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
-          -rfE --tb=short "${ids[@]}" > "$out/part$i.log" 2>&1 &
+          -rfEs --tb=short --junitxml="$out/part$i.xml" "${ids[@]}" > "$out/part$i.log" 2>&1 &
       done
       wait
-      tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log ;;
+      tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log
+      # per-test outcomes of every part in one file (the XMLs are many files; few come back)
+      python3 - "$out" <<'PY' > "$out/outcomes.txt"
+import glob, sys, xml.etree.ElementTree as ET
+for path in sorted(glob.glob(f"{sys.argv[1]}/part*.xml")):
+    for case in ET.parse(path).iter("testcase"):
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        print(kind, f"{case.get('classname')}::{case.get('name')}")
+PY
+      cut -d' ' -f1 "$out/outcomes.txt" | sort | uniq -c ;;
     tests-dist)  pytest_gpu tests-dist 300 tests/test_distributed.py ;;
     dist-steps)
       for setup in fsdp2 tp; do

@@ -43,7 +43,11 @@ HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so th
 
 def host_us(fn: Callable[[], object], calls: int | None = None, rounds: int | None = None) -> float:
     """Median over ``rounds`` (default :data:`ROUNDS`) of the wall time per call of ``calls``
-    (default :data:`CALLS`) calls of ``fn`` enqueued behind a sleeping kernel."""
+    (default :data:`CALLS`) calls of ``fn`` enqueued behind a sleeping kernel. Valid while
+    those calls' launches fit in CUDA's launch queue: a call of tens of launches (the
+    per-sample AdaLN backward at B = 32: 64 and more) fills it, the host then waits for the
+    sleeping kernel, and the figure is about its sleep / ``calls`` (5.3 ms on an H100), not
+    host time."""
     calls, rounds = calls or CALLS, rounds or ROUNDS
     samples = []
     for _ in range(rounds):
