@@ -587,7 +587,7 @@ class Case:
         return self.mode.startswith("decode")
 
 
-# torch.compile's modes besides its default, measured on a host-bound and a GPU-bound DiT step:
+# torch.compile's modes besides its default, for a host-bound and a GPU-bound DiT step (not yet measured):
 # mode="reduce-overhead" replays CUDA graphs (no host cost left, only kernels and fusions count)
 EXTRA_COMPILE_MODES = ("train-compile-max-autotune", "train-compile-reduce-overhead")
 
