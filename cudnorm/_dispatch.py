@@ -143,11 +143,15 @@ def constant(value: float, n: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def cudnn_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x: [rows, N]`` in a layout cuDNN takes: unit column stride, 16-byte aligned rows
-    and base pointer. Copies only when ``x`` is not already so (run inside the ops, on
-    real tensors: the pointer is not known while tracing)."""
-    row_bytes = x.stride(0) * x.element_size()
-    if x.stride(1) != 1 or x.stride(0) < x.shape[1] or row_bytes % 16:
+    """``x: [rows, N]`` in a layout cuDNN takes: packed rows (row stride N, unit column
+    stride) at a 16-byte aligned address. Copies only when ``x`` is not already so (run
+    inside the ops, on real tensors: the pointer is not known while tracing). Padded rows
+    (a slice of a wider buffer) are copied too: cuDNN 9.19 declines a norm graph whose ``x``
+    rows lie further apart than its output's (``CUDNN_STATUS_BAD_PARAM_SHAPE_MISMATCH``,
+    ``!xDesc.hasSameShape(&yDesc)``), and PyTorch's own kernels copy such an input as well."""
+    if x.shape[0] == 1 and x.stride(0) != x.shape[1] and x.stride(1) == 1:
+        x = x.as_strided(x.shape, (x.shape[1], 1))  # one row: its row stride means nothing
+    if x.stride(1) != 1 or x.stride(0) != x.shape[1]:
         x = x.contiguous()
     if x.data_ptr() % 16:  # e.g. a view starting mid-row: contiguous() would return it as is
         x = x.clone(memory_format=torch.contiguous_format)

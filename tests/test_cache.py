@@ -148,10 +148,16 @@ def test_forward_params_rounds_fp32_weights_for_half_inputs():
 def test_cudnn_rows_copies_only_when_needed():
     x = torch.randn(16, 64)
     assert _dispatch.cudnn_rows(x) is x
+    # padded rows are copied: cuDNN 9.19 declines a graph whose x rows lie further apart than y's
     padded = torch.randn(16, 128)[:, :64]
-    assert _dispatch.cudnn_rows(padded) is padded, "16-byte aligned padded rows need no copy"
+    rows = _dispatch.cudnn_rows(padded)
+    assert rows.stride() == (64, 1) and torch.equal(rows, padded)
     transposed = torch.randn(64, 16).t()
     assert _dispatch.cudnn_rows(transposed).is_contiguous()
+    # one row of a wider buffer: a view with the packed row stride, no copy
+    buffer = torch.randn(4, 128)
+    one = _dispatch.cudnn_rows(buffer[2:3, :64])
+    assert one.stride() == (64, 1) and one.data_ptr() == buffer[2].data_ptr() and torch.equal(one, buffer[2:3, :64])
 
 
 class _Candidates:

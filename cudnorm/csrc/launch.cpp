@@ -131,10 +131,13 @@ void launch_chunked(const Recipe& recipe, const std::vector<Slot>& slots, int64_
 }
 
 Tensor cudnn_rows(const Tensor& x) {
-  // unit column stride, 16-byte aligned rows and base pointer (cudnorm._dispatch.cudnn_rows)
+  // packed rows at a 16-byte aligned address (cudnorm._dispatch.cudnn_rows): cuDNN 9.19 declines
+  // a graph whose x rows lie further apart than its output's, so padded rows are copied
   Tensor rows = x;
-  const int64_t row_bytes = rows.stride(0) * rows.element_size();
-  if (rows.stride(1) != 1 || rows.stride(0) < rows.size(1) || row_bytes % 16 != 0) {
+  if (rows.size(0) == 1 && rows.stride(0) != rows.size(1) && rows.stride(1) == 1) {
+    rows = rows.as_strided(rows.sizes(), {rows.size(1), 1});  // one row: its row stride means nothing
+  }
+  if (rows.stride(1) != 1 || rows.stride(0) != rows.size(1)) {
     rows = rows.contiguous();
   }
   if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0) {
