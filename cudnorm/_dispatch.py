@@ -133,12 +133,22 @@ _constants = _lru.LRU("constant_vectors", 64)
 
 
 def constant(value: float, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached read-only vector filled with ``value`` (stands in for an absent weight/bias)."""
+    """A cached read-only vector filled with ``value`` (stands in for an absent weight/bias).
+    On CUDA it comes from :func:`cudnorm._runtime.kept_full` (kept buffers must stay out of
+    CUDA-graph pools); while the stream is being captured a fresh one comes from the graph's pool."""
     key = (value, n, dtype, device)
     tensor = _constants.get(key)
-    if tensor is None:
+    if tensor is not None:
+        return tensor
+    device = torch.device(device)
+    if device.type != "cuda":
         tensor = torch.full((n,), value, dtype=dtype, device=device)
-        _constants.put(key, tensor)
+    elif _runtime.capturing():
+        return torch.full((n,), value, dtype=dtype, device=device)
+    else:
+        tensor = _runtime.kept_full(device.index if device.index is not None else torch.cuda.current_device(),
+                                    n, value, dtype)
+    _constants.put(key, tensor)
     return tensor
 
 

@@ -13,6 +13,7 @@ PyTorch's kernels everywhere.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ def torch_to_cudnn_dtype(dtype: torch.dtype):
 
 class _DeviceState:
     """This thread's cuDNN handle for one device, the stream it is bound to, and the buffers
-    kept per stream (workspaces, rounding rows)."""
+    kept per stream (workspaces, rounding rows; see :func:`_kept`)."""
 
     __slots__ = ("handle", "backend", "stream", "workspaces", "rounding")
 
@@ -174,6 +175,44 @@ def handle(device_index: int):
     return _bound(device_index).handle
 
 
+_allocator_thread = None  # a worker thread for kept buffers, made on first use
+_allocator_lock = threading.Lock()
+
+
+def _kept(device_index: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CUDA buffer kept across calls, allocated on a worker thread: while
+    torch.compile's CUDA-graph modes warm up or record, every allocation of the calling thread
+    goes to the graphs' memory pool, where a kept buffer fails cudagraph trees' check that each
+    live pool tensor is a graph output (found on an H100 under mode="reduce-overhead"). It is
+    marked as used on the caller's stream, so once dropped its memory is not handed out again
+    while a launch there may still use it."""
+    device = torch.device("cuda", device_index)
+    return _on_allocator_thread(device_index, lambda: torch.empty(shape, dtype=dtype, device=device))
+
+
+def kept_full(device_index: int, n: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[n]`` CUDA vector of ``value`` kept across calls: as :func:`_kept`, filled and waited
+    for on the worker thread."""
+    device = torch.device("cuda", device_index)
+
+    def fill():
+        tensor = torch.full((n,), value, dtype=dtype, device=device)
+        torch.cuda.current_stream(device_index).synchronize()
+        return tensor
+
+    return _on_allocator_thread(device_index, fill)
+
+
+def _on_allocator_thread(device_index: int, make) -> torch.Tensor:
+    global _allocator_thread
+    with _allocator_lock:
+        if _allocator_thread is None:
+            _allocator_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cudnorm-alloc")
+    tensor = _allocator_thread.submit(make).result()
+    tensor.record_stream(torch.cuda.current_stream(device_index))
+    return tensor
+
+
 def launch_context(device_index: int, nbytes: int) -> tuple[_DeviceState, torch.Tensor | None]:
     """``(state, workspace)`` for one execute on torch's current stream: this thread's
     :class:`_DeviceState` (``state.handle`` bound to the stream, ``state.backend`` its
@@ -195,8 +234,7 @@ def launch_context(device_index: int, nbytes: int) -> tuple[_DeviceState, torch.
     if kept is None or kept[1] < nbytes:
         if len(state.workspaces) >= _MAX_STREAMS_WITH_WORKSPACE:
             state.workspaces.clear()
-        buffer = torch.empty(nbytes, dtype=_U8, device=torch.device("cuda", device_index))
-        kept = state.workspaces[state.stream] = (buffer, nbytes)
+        kept = state.workspaces[state.stream] = (_kept(device_index, nbytes, _U8), nbytes)
     return state, kept[0]
 
 
@@ -218,7 +256,8 @@ def rounding_rows(device_index: int, n: int, dtype: torch.dtype) -> tuple[torch.
     if rows is None:
         per_16_bytes = 16 // dtype.itemsize
         stride = -(-n // per_16_bytes) * per_16_bytes
-        pair = torch.empty((2, stride), dtype=dtype, device=torch.device("cuda", device_index))
+        pair = torch.empty((2, stride), dtype=dtype, device=torch.device("cuda", device_index)) if capturing \
+            else _kept(device_index, (2, stride), dtype)
         rows = (pair[0, :n], pair[1, :n])
         if not capturing:
             if len(state.rounding) >= _MAX_STREAMS_WITH_WORKSPACE:

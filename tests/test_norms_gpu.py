@@ -237,6 +237,33 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(got, want)
 
 
+def test_compile_reduce_overhead_trains_with_cudnn_norms():
+    """mode="reduce-overhead" replays CUDA graphs from one memory pool and refuses to record
+    while a pool tensor that is no graph output lives; the warm-up allocates from that pool, so
+    cudnorm's kept buffers (workspaces, stand-in weights) must come from outside it (a DiT
+    step failed so on an H100). An unusual width makes every kept buffer new here."""
+    from cudnorm import _runtime
+
+    torch._dynamo.reset()
+    _runtime.release_workspaces()
+    d = 392
+    norm, linear = cudnorm.LayerNorm(d, elementwise_affine=False).cuda(), torch.nn.Linear(d, d).cuda()
+
+    def block(x, scale, shift):
+        return linear(cudnorm.ada_layer_norm(norm(x), scale, shift, one_plus_scale=True))
+
+    step = torch.compile(block, mode="reduce-overhead")
+    with cudnorm.config(policy="cudnn"):
+        for _ in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            x = torch.randn(4, 96, d, device="cuda", requires_grad=True)
+            scale, shift = torch.randn(2, 4, d, device="cuda").unbind(0)
+            out = step(x, scale, shift)
+            out.square().mean().backward()
+        torch.testing.assert_close(out, block(x, scale, shift))
+    torch._dynamo.reset()
+
+
 def test_cuda_graph_training_step_replays():
     model = _model()
     static_x = torch.randn(64, 1024, device="cuda")

@@ -5,10 +5,15 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <exception>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 namespace cudnorm {
@@ -153,15 +158,38 @@ bool is_packed(const Tensor& t) {
 Tensor packed(const Tensor& t) { return is_packed(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
 
 Tensor constant(double value, int64_t n, at::ScalarType dtype, const at::Device& device) {
-  // read-only vectors standing in for an absent weight or bias, kept per (value, n, dtype, device)
+  // Read-only vectors standing in for an absent weight or bias, kept per (value, n, dtype,
+  // device): a few per model width, never freed (at process exit CUDA tensors released this
+  // late may outlive the caching allocator). Each is made and waited for once on a thread of its
+  // own, because while torch.compile's CUDA-graph modes warm up or record, every allocation of
+  // the calling thread goes to the graphs' memory pool, and a kept tensor from that pool fails
+  // cudagraph trees' check that each live pool tensor is a graph output (cudnorm._runtime._kept).
+  // While the caller's stream is being captured (no waiting allowed) a fresh one comes from the
+  // graph's pool, kept alive by the graph.
   static std::mutex mutex;
-  static std::map<std::tuple<int64_t, int64_t, int, int>, Tensor> cache;
+  static auto& cache = *new std::map<std::tuple<int64_t, int64_t, int, int>, Tensor>();
   auto key = std::make_tuple(double_bits(value), n, static_cast<int>(dtype), static_cast<int>(device.index()));
+  auto options = at::TensorOptions().dtype(dtype).device(device);
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  if (cache.size() >= 64) cache.clear();  // a bound, as the Python path's LRU of 64
-  Tensor t = at::full({n}, value, at::TensorOptions().dtype(dtype).device(device));
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return at::full({n}, value, options);
+  }
+  Tensor t;
+  std::exception_ptr error;
+  std::thread([&] {
+    try {
+      c10::cuda::CUDAGuard device_guard(device.index());
+      auto stream = c10::cuda::getStreamFromPool(false, device.index());
+      c10::cuda::CUDAStreamGuard stream_guard(stream);
+      t = at::full({n}, value, options);
+      stream.synchronize();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }).join();
+  if (error) std::rethrow_exception(error);
   cache.emplace(key, t);
   return t;
 }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace cudnorm {
 
@@ -24,15 +25,25 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
+// Handles of threads that have ended, per device, for the next thread to reuse. Never freed:
+// at process exit this (and the tables below) would otherwise be destroyed after cuDNN's own
+// libraries have unloaded, and destroying a handle or a plan then crashes the process.
+struct HandlePool {
+  std::mutex mutex;
+  std::vector<cudnnHandle_t> free[kMaxDevices];
+};
+HandlePool& handle_pool = *new HandlePool();
+
 // This thread's cuDNN handle per device and the stream it is bound to: cudnnSetStream only
 // when torch's current stream changed since this thread's last launch on that device.
 struct ThreadHandles {
   cudnnHandle_t handle[kMaxDevices] = {};
   cudaStream_t stream[kMaxDevices] = {};
-  ~ThreadHandles() {
-    for (auto h : handle) {
-      if (h != nullptr) {
-        cudnnDestroy(h);  // at thread exit; errors here have no one to report to
+  ~ThreadHandles() {  // at thread exit (the main thread's: at process exit): back to the pool
+    std::lock_guard<std::mutex> lock(handle_pool.mutex);
+    for (int device = 0; device < kMaxDevices; ++device) {
+      if (handle[device] != nullptr) {
+        handle_pool.free[device].push_back(handle[device]);
       }
     }
   }
@@ -43,9 +54,19 @@ cudnnHandle_t bound_handle(int device, cudaStream_t stream) {
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "cudnorm: device index ", device, " out of range");
   cudnnHandle_t& handle = handles.handle[device];
   if (handle == nullptr) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    auto status = cudnnCreate(&handle);
-    TORCH_CHECK(status == CUDNN_STATUS_SUCCESS, "cudnorm: cudnnCreate failed: ", cudnnGetErrorString(status));
+    {
+      std::lock_guard<std::mutex> lock(handle_pool.mutex);
+      auto& free = handle_pool.free[device];
+      if (!free.empty()) {
+        handle = free.back();
+        free.pop_back();
+      }
+    }
+    if (handle == nullptr) {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+      auto status = cudnnCreate(&handle);
+      TORCH_CHECK(status == CUDNN_STATUS_SUCCESS, "cudnorm: cudnnCreate failed: ", cudnnGetErrorString(status));
+    }
     handles.stream[device] = nullptr;
     cudnnSetStream(handle, nullptr);
   }
@@ -58,7 +79,7 @@ cudnnHandle_t bound_handle(int device, cudaStream_t stream) {
 }
 
 std::mutex table_mutex;
-std::unordered_map<int64_t, PlanRef> table;
+std::unordered_map<int64_t, PlanRef>& table = *new std::unordered_map<int64_t, PlanRef>();  // never freed: see HandlePool
 int64_t next_id = 1;
 
 }  // namespace

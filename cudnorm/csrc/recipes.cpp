@@ -35,7 +35,8 @@ struct KeyHash {
 };
 
 std::shared_mutex table_mutex;
-std::unordered_map<Key, RecipeRef, KeyHash> table;
+// never freed: destroyed at process exit, its plans would call into cuDNN after it unloaded
+std::unordered_map<Key, RecipeRef, KeyHash>& table = *new std::unordered_map<Key, RecipeRef, KeyHash>();
 uint64_t generation = 0;  // bumped by clear_recipes(): a resolve racing a clear is not kept
 std::atomic<int64_t> hits{0};
 std::atomic<int64_t> misses{0};
