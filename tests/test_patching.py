@@ -24,6 +24,9 @@ from cudnorm import reference as ref
 import emulated_cudnn as emu
 
 F32_TOL = 1e-5
+# compiled vs eager, both fp32: Inductor reorders reductions (Sana's linear attention put its
+# input gradient 1.3e-5 from eager's on an H100, torch 2.11); a wrong formula is off by > 1e-3
+COMPILED_F32_TOL = 4e-5
 # "emulated": CPU tensors through the cuDNN path's own code, the graphs emulated
 # (tests/emulated_cudnn.py); the GPU runs cudnorm's cuDNN path itself
 DEVICES = ["cpu", "emulated", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -405,14 +408,14 @@ def _output_and_grads(model, inputs):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_grads_close(got, want):
-    """Per-tensor relative error <= F32_TOL; gradients that are zero in exact arithmetic (an
+def _assert_grads_close(got, want, tol=None):
+    """Per-tensor relative error <= ``tol`` (F32_TOL); gradients that are zero in exact arithmetic (an
     attention key's bias: softmax ignores it) carry only rounding noise, about 1e-8 of the
     largest gradient's norm in fp32 (PixArt under compile on an H100), held to F32_TOL of 1% of it."""
     largest = max(w.norm() for w in want.values())
     assert got.keys() == want.keys()
     for name, w in want.items():
-        assert (got[name] - w).norm() <= F32_TOL * max(w.norm(), 1e-2 * largest), name
+        assert (got[name] - w).norm() <= (tol or F32_TOL) * max(w.norm(), 1e-2 * largest), name
 
 
 # ---------------------------------------------------------------- patched models
@@ -533,11 +536,11 @@ def _compiled_matches_eager(tiny, device):
     assert any("cudnorm" in t for t in traced)  # the patched norms' ops are in the graph
     want = loss(h)
     want_grads = torch.autograd.grad(want, [h, *params.values()], allow_unused=True)
-    assert ref.rel_error(got, want) <= F32_TOL
+    assert ref.rel_error(got, want) <= COMPILED_F32_TOL
     names = ["input", *params]
     assert [n for n, g in zip(names, got_grads) if g is None] == [n for n, g in zip(names, want_grads) if g is None]
     _assert_grads_close({n: g for n, g in zip(names, got_grads) if g is not None},
-                        {n: g for n, g in zip(names, want_grads) if g is not None})
+                        {n: g for n, g in zip(names, want_grads) if g is not None}, COMPILED_F32_TOL)
 
 
 # ---------------------------------------------------------------- plain models, arguments
