@@ -573,6 +573,12 @@ class Case:
         ``train-compile-<mode>`` case; ``None`` for its default (and uncompiled cases)."""
         return self.mode.partition("compile")[2].lstrip("-") or None
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Compiled in a mode whose graphs Inductor replays as CUDA graphs (``reduce-overhead``
+        and ``max-autotune``)."""
+        return self.compile_mode in ("reduce-overhead", "max-autotune")
+
     def compile(self, fn: Callable) -> Callable:
         """``fn`` compiled as this case asks (static shapes: each new (B, S, D) is a
         recompile, as for a fixed-resolution job), or ``fn`` itself when not compiled."""

@@ -129,7 +129,7 @@ class Workload:
     forward: Callable[..., torch.Tensor]
     inputs: Callable[[torch.Generator | None], tuple[torch.Tensor, ...]]
     train: bool
-    # compiled with mode="reduce-overhead": each step starts a new round of CUDA-graph replays
+    # compiled in a CUDA-graph mode: each step starts a new round of CUDA-graph replays
     # (the previous step's graph outputs may be overwritten; nothing keeps them)
     new_graph_step: bool = False
 
@@ -195,7 +195,7 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
             return Workload(model, model.decode_step, _randn(device, act, (b, 1, d)), train=False)
         forward = case.compile(model)
     return Workload(model, _under_autocast(forward, device) if case.autocast else forward, inputs, case.train,
-                    new_graph_step=case.compile_mode == "reduce-overhead")
+                    new_graph_step=case.cuda_graphs)
 
 
 # ---------------------------------------------------------------------------------------
