@@ -593,8 +593,9 @@ class Case:
         return self.mode.startswith("decode")
 
 
-# torch.compile's modes besides its default, for a host-bound and a GPU-bound DiT step (not yet measured):
-# mode="reduce-overhead" replays CUDA graphs (no host cost left, only kernels and fusions count)
+# torch.compile's modes besides its default, for a host-bound and a GPU-bound DiT step:
+# mode="reduce-overhead" replays CUDA graphs (no host cost left, only kernels and fusions count;
+# docs/performance.md, call Q); max-autotune (also CUDA graphs) is not measured yet
 EXTRA_COMPILE_MODES = ("train-compile-max-autotune", "train-compile-reduce-overhead")
 
 
