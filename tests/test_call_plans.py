@@ -73,7 +73,9 @@ def test_another_signature_takes_the_full_path(recording, change):
     else:
         with torch.no_grad():
             cudnorm.rms_norm(x, (64,))
-    assert len(recording) == 2 and recording[0] != recording[1]
+    assert len(recording) == 2
+    # padded rows are copied into packed ones first (cuDNN 9.19 declines them): the same spec
+    assert (recording[0] != recording[1]) == (change != "stride")
 
 
 def test_misaligned_input_with_a_known_signature_is_copied(recording):
