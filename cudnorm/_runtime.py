@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -177,6 +178,14 @@ def handle(device_index: int):
 
 _allocator_thread = None  # a worker thread for kept buffers, made on first use
 _allocator_lock = threading.Lock()
+
+
+def _forget_allocator_thread() -> None:
+    global _allocator_thread, _allocator_lock  # a forked child has no copy of the thread: a new one there
+    _allocator_thread, _allocator_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_allocator_thread)
 
 
 def _kept(device_index: int, shape, dtype: torch.dtype) -> torch.Tensor:
