@@ -35,7 +35,7 @@ class LayerNorm(torch.nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         weight, bias = self.weight, self.bias
-        if _entry.native:  # the native entry point applies the same policy in C++
+        if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ applies the same policy
             return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
         if _policy.torch_serves(input, weight, bias):
             # PyTorch's op, as nn.LayerNorm runs it, minus F.layer_norm's Python wrapper (small
@@ -53,7 +53,7 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         weight, eps = self.weight, self.eps
-        if _entry.native:  # the native entry point checks the call and applies the same policy in C++
+        if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ checks it, same policy
             return rms_norm(input, self.normalized_shape, weight, eps)
         if _policy.torch_serves(input, weight):  # PyTorch's op, checked first, as in LayerNorm.forward
             # eps=None is PyTorch's default, the dtype's machine epsilon: any valid eps checks the rest

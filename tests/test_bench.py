@@ -161,8 +161,8 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
     assert all(r["same_us"] > 0 and r["fresh_us"] > 0 for r in results) and "fresh" in how
     assert all(r["vs_torch"] == 1.0 for r in results if r["provider"] == "torch")
     stages = host_overhead.breakdown(rows=64, cols=1024, ada_shape=(2, 64, 256))
-    assert {r["call"] for r in stages} == {"layer_norm fwd-train", "layer_norm bwd", "ada_layer_norm fwd-train",
-                                           "ada_layer_norm bwd"}
+    assert {r["call"] for r in stages} == {"layer_norm fwd-train", "layer_norm bwd", "rms_norm bwd",
+                                           "ada_layer_norm fwd-train", "ada_layer_norm bwd"}
     assert all(r["us"] > 0 for r in stages)
 
 

@@ -197,6 +197,27 @@ def test_cpu_tensors_never_try_the_native_path(untried, monkeypatch):
     assert _entry.pending
 
 
+@pytest.mark.parametrize("module", [cudnorm.LayerNorm, cudnorm.RMSNorm])
+def test_a_module_call_tries_the_native_path_first(untried, monkeypatch, module):
+    """A model made of cudnorm's modules whose calls are all small (a decode step) must still
+    switch the native path on: the modules hand small calls to PyTorch themselves on the
+    Python path, so they try the native path before that (a decode step on an H100 ran the
+    Python path's checks on every call, 0.95x)."""
+    tried = []
+
+    def try_native(input):  # as the real one on a machine without the native path: tried once
+        tried.append(input)
+        _entry.pending = False
+        return False
+
+    monkeypatch.setattr(_entry, "try_native", try_native)
+    norm, x = module(32), torch.randn(2, 32)
+    with cudnorm.config(policy="auto"):  # small calls: the modules' own hand-off to PyTorch
+        norm(x)
+        norm(x)
+    assert len(tried) == 1 and tried[0] is x
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch can build the native path")
 def test_build_command_says_why_it_cannot_build_here():
     done = subprocess.run([sys.executable, "-m", "cudnorm.cli", "build"], capture_output=True, text=True)

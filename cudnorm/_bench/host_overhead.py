@@ -270,6 +270,12 @@ def _breakdown(rows, cols, ada_shape):
         ("ada_layer_norm bwd", "whole backward (autograd engine)",
          lambda: torch.autograd.backward(ya, dya, retain_graph=True)),
     ]
+    yr = cudnorm.rms_norm(x, (cols,), w)
+    yt = F.rms_norm(x, (cols,), w)
+    stages += [
+        ("rms_norm bwd", "whole backward (autograd engine)", lambda: torch.autograd.backward(yr, dy, retain_graph=True)),
+        ("rms_norm bwd", "torch F.rms_norm backward", lambda: torch.autograd.backward(yt, dy, retain_graph=True)),
+    ]
     ye = _dit_formula(xa, scale, shift)
     stages.append(("ada_layer_norm bwd", "torch eager formula backward",
                    lambda: torch.autograd.backward(ye, dya, retain_graph=True)))
@@ -283,7 +289,9 @@ def _breakdown(rows, cols, ada_shape):
                 results.append({"call": call, "stage": stage + ", Python launch path", "us": host_us(fn)})
     if _native.status()["active"]:
         _, backward_plan = _call_plans.rows_plan("layer_norm", "bwd", xd, bf16)
-        for call, timed in (("layer_norm fwd-train", plan), ("layer_norm bwd", backward_plan)):
+        _, rms_backward_plan = _call_plans.rows_plan("rms_norm", "bwd", xd, bf16)
+        for call, timed in (("layer_norm fwd-train", plan), ("layer_norm bwd", backward_plan),
+                            ("rms_norm bwd", rms_backward_plan)):
             results.append({"call": call, "stage": "cuDNN execute, C++ loop (the floor)",
                             "us": _native.execute_floor_us(timed)})
     return results
