@@ -7,8 +7,8 @@ docs/performance.md, "Where the host time goes"). When a model step is bound by 
 the GPU runs each kernel as soon as it is enqueued and that extra host time is added to the
 step, while the kernel saving of a small norm is a few microseconds; so that path keeps
 cuDNN for large calls only (:data:`CUDNN_MIN_ELEMENTS`). The native launch path
-(:mod:`cudnorm._native`) costs about PyTorch's host time, and with it every eager call runs
-on cuDNN (:data:`NATIVE_CUDNN_MIN_ELEMENTS`). Under ``torch.compile`` Inductor fuses
+(:mod:`cudnorm._native`) costs about PyTorch's host time, and with it every eager call but the
+smallest runs on cuDNN (:data:`NATIVE_CUDNN_MIN_ELEMENTS`: one-token decode calls). Under ``torch.compile`` Inductor fuses
 PyTorch's norm with the ops around it (the modulation, residual adds), which an opaque
 custom op prevents: the native op inside a compiled graph still lost (docs/performance.md,
 Decisions).
@@ -27,7 +27,7 @@ with no cudnorm op or autograd node in between:
    the kernel saving to repay; other subclasses have rules for PyTorch's ops only;
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements (while the native launch
-   path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`: none): PyTorch's ops;
+   path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`): PyTorch's ops;
 4. otherwise cuDNN.
 
 Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its
@@ -53,9 +53,13 @@ from . import _settings
 CUDNN_MIN_ELEMENTS = 1 << 24
 # The same threshold while the native launch path serves (cudnorm._native): its cuDNN call costs
 # about PyTorch's host time (0.91-1.07x for LayerNorm/RMSNorm forwards and backwards, 0.58-0.79x
-# for AdaLN against the eager formula; lent H100, `cudnorm bench --host-overhead`), so every
-# eager call runs on cuDNN (docs/performance.md, Decisions).
-NATIVE_CUDNN_MIN_ELEMENTS = 0
+# for AdaLN against the eager formula; lent H100, `cudnorm bench --host-overhead`), so all but
+# the smallest eager calls run on cuDNN. Below 2**16 elements the kernel saves about 1 us of GPU
+# time per call, less than the few us of host time cuDNN's execute adds in a host-bound step:
+# a one-token Llama decode step (4096-element calls) read 0.95-0.96x with them on cuDNN and
+# 1.00x with PyTorch's op, while at 32 tokens (2**17 elements) cuDNN held 0.99-1.00x
+# (docs/performance.md, Decisions).
+NATIVE_CUDNN_MIN_ELEMENTS = 1 << 16
 
 
 def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:

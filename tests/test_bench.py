@@ -153,6 +153,7 @@ def test_host_overhead_times_every_op_direction_and_provider(monkeypatch):
     monkeypatch.setattr(host_overhead, "CALLS", 4)
     monkeypatch.setattr(host_overhead, "ROUNDS", 1)
     monkeypatch.setattr(host_overhead, "POOL", 4)
+    monkeypatch.setattr(host_overhead, "PASSES", 2)
     results, how = host_overhead.bench(rows=64, cols=1024, ada_shape=(2, 64, 256))
     cases = {(r["op"], r["direction"], r["provider"]) for r in results}
     assert cases == {(op, d, p) for op in ("layer_norm", "rms_norm", "ada_layer_norm")

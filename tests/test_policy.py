@@ -139,8 +139,9 @@ def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):
 
 @gpu
 def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
-    """With the native launch path every eager CUDA call runs on cuDNN by default
-    (NATIVE_CUDNN_MIN_ELEMENTS: its host cost is about PyTorch's)."""
+    """With the native launch path every eager CUDA call but the smallest runs on cuDNN by
+    default (NATIVE_CUDNN_MIN_ELEMENTS: its host cost is about PyTorch's); a decode-sized call
+    runs PyTorch's op."""
     if cudnorm.get_config().native == "off":
         pytest.skip("the native launch path is switched off")
     x = torch.randn(2, 256, 1152, device="cuda", dtype=BF16)
@@ -150,6 +151,12 @@ def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
     if _native.status()["active"]:
         assert cudnorm.cache_info().builds > 0
         assert cudnorm.serving_path("layer_norm", x) == "cudnn"
+        token = x[:1, :1]  # one decode token: [1, 1, 1152]
+        assert token.numel() < _policy.NATIVE_CUDNN_MIN_ELEMENTS
+        builds = cudnorm.cache_info().builds
+        torch.testing.assert_close(cudnorm.layer_norm(token, (1152,), w, w), F.layer_norm(token, (1152,), w, w))
+        assert cudnorm.cache_info().builds == builds
+        assert cudnorm.serving_path("layer_norm", token).startswith("torch (small call")
 
 
 @gpu

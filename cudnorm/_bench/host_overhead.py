@@ -5,7 +5,7 @@ A model makes new activations every step, so a cost that appears only when addre
 (a capture, a cache keyed on pointers, an allocation) shows up in the fresh column. Each
 figure is the wall time of ``CALLS`` calls enqueued while a sleeping kernel keeps the stream
 busy, divided by ``CALLS``: the calls only enqueue work, so this is host time, whatever the
-GPU time of the work. Median of 5 rounds.
+GPU time of the work. Median of 5 rounds, then of 3 interleaved passes.
 
 Directions: ``fwd-infer`` (under ``torch.no_grad()``), ``fwd-train`` (grad mode, inputs
 requiring grad: builds the autograd node), ``bwd`` (``torch.autograd.backward`` of one
@@ -16,6 +16,7 @@ same column runs one graph again (``retain_graph=True``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +29,14 @@ from . import model_zoo, plots
 CALLS = 40
 ROUNDS = 5
 POOL = 64  # distinct input sets cycled by the fresh column
+# Passes through every op and provider: one pass read PyTorch against itself at 0.79-1.10x on a
+# lent H200's host (call R), the providers being timed minutes apart
+PASSES = 3
 SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS calls of any case here
 
 HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
-       "median of {rounds} rounds. 'same': the same input tensors every call; 'fresh': a new input set every "
+       "median of {rounds} rounds, then the median over {passes} passes through every op and provider "
+       "(interleaved, so a drift of the host's speed reaches all of them). 'same': the same input tensors every call; 'fresh': a new input set every "
        "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
        "fresh = a forward graph per call. cudnorm = the default policy (cudnorm._policy); cudnorm-cudnn = every "
        "call on cuDNN (policy='cudnn'), through the native launch path when it is active; cudnorm-python = the "
@@ -147,23 +152,32 @@ def _measure(make, forward) -> dict[str, float]:
     return out
 
 
-def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152)
-          ) -> tuple[list[dict], str]:
+def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (8, 256, 1152),
+          passes: int | None = None) -> tuple[list[dict], str]:
     """``([{"op", "direction", "provider", "same_us", "fresh_us"}], how it was measured)`` on the
-    current CUDA device."""
+    current CUDA device: the median over ``passes`` (default :data:`PASSES`) interleaved passes."""
+    passes = passes or PASSES
+    ops = sorted(_ops(rows, cols, ada_shape), key=lambda o: OPS.index(o[0]))
+    _measure(*ops[-1][2:])  # warm-up, not kept: the first op measured in a process pays one-time costs
+    samples: dict[tuple, list[float]] = {}
+    for k in range(passes):  # each pass starts at another op, so none is always measured first
+        start = k * len(ops) // passes
+        for op, provider, make, forward in ops[start:] + ops[:start]:
+            with model_zoo.provider_settings(provider):
+                measured = _measure(make, forward)
+            for key, us in measured.items():
+                samples.setdefault((op, provider, key), []).append(us)
     results = []
-    ops = _ops(rows, cols, ada_shape)
-    _measure(*ops[-3][2:])  # warm-up, not kept: the first op measured in a process pays one-time costs
-    for op, provider, make, forward in sorted(ops, key=lambda o: OPS.index(o[0])):
-        with model_zoo.provider_settings(provider):
-            measured = _measure(make, forward)
+    for op, provider, _, _ in ops:
         for direction in ("fwd-infer", "fwd-train", "bwd"):
-            results.append({"op": op, "direction": direction, "provider": provider,
-                            "same_us": measured[f"{direction} same"], "fresh_us": measured[f"{direction} fresh"]})
+            same, fresh = (statistics.median(samples[(op, provider, f"{direction} {kind}")])
+                           for kind in ("same", "fresh"))
+            results.append({"op": op, "direction": direction, "provider": provider, "same_us": same,
+                            "fresh_us": fresh})
     torch_fresh = {(r["op"], r["direction"]): r["fresh_us"] for r in results if r["provider"] == "torch"}
     for r in results:
         r["vs_torch"] = r["fresh_us"] / torch_fresh[(r["op"], r["direction"])]
-    how = HOW.format(calls=CALLS, rounds=ROUNDS, pool=POOL, rows=rows, cols=cols, ada="x".join(map(str, ada_shape)))
+    how = HOW.format(calls=CALLS, rounds=ROUNDS, passes=passes, pool=POOL, rows=rows, cols=cols, ada="x".join(map(str, ada_shape)))
     return results, how
 
 
