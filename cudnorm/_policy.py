@@ -7,11 +7,11 @@ docs/performance.md, "Where the host time goes"). When a model step is bound by 
 the GPU runs each kernel as soon as it is enqueued and that extra host time is added to the
 step, while the kernel saving of a small norm is a few microseconds; so that path keeps
 cuDNN for large calls only (:data:`CUDNN_MIN_ELEMENTS`). The native launch path
-(:mod:`cudnorm._native`) costs about PyTorch's host time, and with it every eager call but the
-smallest runs on cuDNN (:data:`NATIVE_CUDNN_MIN_ELEMENTS`: one-token decode calls). Under ``torch.compile`` Inductor fuses
-PyTorch's norm with the ops around it (the modulation, residual adds), which an opaque
-custom op prevents: the native op inside a compiled graph still lost (docs/performance.md,
-Decisions).
+(:mod:`cudnorm._native`) costs about PyTorch's host time, and with it every eager call but
+the smallest (:data:`NATIVE_CUDNN_MIN_ELEMENTS`: one-token decode calls) runs on cuDNN.
+Under ``torch.compile`` Inductor fuses PyTorch's norm with the ops around it (the modulation,
+residual adds), which an opaque custom op prevents: the native op inside a compiled graph
+still lost (docs/performance.md, Decisions).
 
 Rules for ``cudnorm.config(policy="auto")`` (the default), for a call whose weights (scale/shift)
 have the input's dtype; where PyTorch's ops serve, the public functions call them directly,

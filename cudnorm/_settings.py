@@ -41,8 +41,8 @@ class Config:
 
     Attributes:
         policy: ``"auto"``: PyTorch's own ops serve CUDA calls where they make models faster
-            (eager calls under 2^24 elements, calls traced by ``torch.compile``; see
-            ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can.
+            (eager calls under 2^16 elements, 2^24 on the Python launch path, calls traced by
+            ``torch.compile``; see ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can.
             [``CUDNORM_POLICY``]
         autotune: ``"auto"``: time candidate plans for large LayerNorm/RMSNorm forwards;
             ``"on"``: for every new graph; ``"off"``: never (the heuristics' first plan).

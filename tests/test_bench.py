@@ -206,3 +206,20 @@ def test_speedup_panels_of_the_op_and_host_tables():
     host = [{"op": "rms_norm", "direction": "bwd", "provider": p, "fresh_us": us}
             for p, us in (("torch", 100.0), ("cudnorm", 80.0), ("torch-again", 104.0))]
     assert plots.host_panels(host) == [("bwd", [("rms_norm", "cudnorm", 1.25)], [pytest.approx(100 / 104)])]
+
+
+def test_policy_threshold_script_times_each_threshold_beside_pytorch(tmp_path):
+    """``benchmarks/policy_threshold.py --quick`` (the evidence script of
+    ``_policy.NATIVE_CUDNN_MIN_ELEMENTS``): a row per threshold beside PyTorch and PyTorch
+    again, and an unknown case named in the error (its speed figures come from GPU runs)."""
+    out = tmp_path / "thresholds.csv"
+    script = str(ROOT / "benchmarks" / "policy_threshold.py")
+    done = subprocess.run([sys.executable, script, "--quick", "--cases", "llama-64:decode-b1",
+                           "--thresholds", "0,65536", "--csv", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["torch", "torch-again", "cudnorm@0", "cudnorm@65536"]
+    assert all(float(r["step_ms"]) > 0 for r in rows) and float(rows[0]["vs_torch"]) == 1.0
+    bad = subprocess.run([sys.executable, script, "--quick", "--cases", "llama-9:decode-b1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "unknown --cases ['llama-9:decode-b1']" in bad.stderr
