@@ -36,9 +36,9 @@ SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s on H100/H200 clocks: longer than CALLS 
 
 HOW = ("Host us per call: {calls} calls enqueued behind a sleeping kernel (so the GPU never bounds them), "
        "median of {rounds} rounds, then the median over {passes} passes through every op and provider "
-       "(interleaved, so a drift of the host's speed reaches all of them). 'same': the same input tensors every call; 'fresh': a new input set every "
-       "call (a pool of {pool}); bwd = torch.autograd.backward of one forward output (engine cost included), "
-       "fresh = a forward graph per call. cudnorm = the default policy (cudnorm._policy); cudnorm-cudnn = every "
+       "(interleaved, so a drift of the host's speed reaches all of them). 'same': the same input tensors "
+       "every call; 'fresh': a new input set every call (a pool of {pool}); bwd = torch.autograd.backward of "
+       "one forward output (engine cost included), fresh = a forward graph per call. cudnorm = the default policy (cudnorm._policy); cudnorm-cudnn = every "
        "call on cuDNN (policy='cudnn'), through the native launch path when it is active; cudnorm-python = the "
        "same on the Python launch path (native='off'); torch = PyTorch's own op "
        "(F.layer_norm, F.rms_norm, and the eager AdaLN formula `F.layer_norm(x) * (1 + scale[:, None]) + "
@@ -177,7 +177,8 @@ def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (
     torch_fresh = {(r["op"], r["direction"]): r["fresh_us"] for r in results if r["provider"] == "torch"}
     for r in results:
         r["vs_torch"] = r["fresh_us"] / torch_fresh[(r["op"], r["direction"])]
-    how = HOW.format(calls=CALLS, rounds=ROUNDS, passes=passes, pool=POOL, rows=rows, cols=cols, ada="x".join(map(str, ada_shape)))
+    how = HOW.format(calls=CALLS, rounds=ROUNDS, passes=passes, pool=POOL, rows=rows, cols=cols,
+                     ada="x".join(map(str, ada_shape)))
     return results, how
 
 
@@ -287,7 +288,8 @@ def _breakdown(rows, cols, ada_shape):
     yr = cudnorm.rms_norm(x, (cols,), w)
     yt = F.rms_norm(x, (cols,), w)
     stages += [
-        ("rms_norm bwd", "whole backward (autograd engine)", lambda: torch.autograd.backward(yr, dy, retain_graph=True)),
+        ("rms_norm bwd", "whole backward (autograd engine)",
+         lambda: torch.autograd.backward(yr, dy, retain_graph=True)),
         ("rms_norm bwd", "torch F.rms_norm backward", lambda: torch.autograd.backward(yt, dy, retain_graph=True)),
     ]
     ye = _dit_formula(xa, scale, shift)
