@@ -29,6 +29,7 @@ from . import _cache, _call_plans, _checks, _dispatch, _entry, _ops, _policy, _r
 
 _OP = "ada_layer_norm"
 _F32 = torch.float32
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
 
 
 def _stats_view(stats: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,7 +271,9 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         calls and calls traced by ``torch.compile`` run PyTorch's ops instead
         (:mod:`cudnorm._policy`).
     """
-    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+    # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
+    # implementation, which the C++ entry would hand it back to through the dispatcher
+    if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():
         try:
             return _entry.ada_layer_norm(input, scale, shift, eps, one_plus_scale)
         except (TypeError, RuntimeError):  # the op's schema refused an argument: cudnorm's error names it

@@ -20,6 +20,7 @@ import torch
 from . import _checks, _entry, _fused_add, _norm, _ops, _policy
 
 _OP = _norm.LAYER_NORM.name
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
 _IMPL = _norm.implement(_norm.LAYER_NORM)
 # module names of the implementation: the eager path calls _infer, the host benchmarks
 # (cudnorm._bench.host_overhead, benchmarks/host_profile.py) time _forward and _backward_impl
@@ -57,7 +58,9 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
     With bf16/fp16 ``input`` and fp32 ``weight``/``bias`` the forward rounds the parameters
     to ``input.dtype`` (what ``torch.autocast`` does) while gradients stay fp32-accurate.
     """
-    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+    # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
+    # implementation, which the C++ entry would hand it back to through the dispatcher
+    if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         try:
             if residual is None:

@@ -23,6 +23,7 @@ import torch
 from . import _checks, _entry, _fused_add, _norm, _ops, _policy
 
 _OP = _norm.RMS_NORM.name
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
 _IMPL = _norm.implement(_norm.RMS_NORM)
 _infer = _IMPL.infer  # a module global: the eager path's cheapest lookup
 
@@ -59,7 +60,9 @@ def rms_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weight:
         forward only, as in :func:`cudnorm.layer_norm`). Small calls and calls traced by
         ``torch.compile`` run PyTorch's own op instead (:mod:`cudnorm._policy`).
     """
-    if _entry.native and not _entry.is_compiling():  # the native path: C++ from here on
+    # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
+    # implementation, which the C++ entry would hand it back to through the dispatcher
+    if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         try:
             if residual is None:

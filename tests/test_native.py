@@ -218,6 +218,31 @@ def test_a_module_call_tries_the_native_path_first(untried, monkeypatch, module)
     assert len(tried) == 1 and tried[0] is x
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass standing in for a DTensor: not a plain tensor, as the native entry needs."""
+
+
+@pytest.mark.parametrize("call", ["layer_norm", "rms_norm", "ada_layer_norm"])
+def test_tensor_subclasses_skip_the_native_entry(untried, monkeypatch, call):
+    """On the native path a plain tensor goes to the C++ entry and a subclass (a DTensor)
+    straight to the Python implementation, which the entry would hand it back to through the
+    dispatcher: 52 against PyTorch's 35 us per DTensor RMSNorm forward (lent H100)."""
+    entered = []
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, "pending", False)
+    monkeypatch.setattr(_entry, call, lambda *args: entered.append(args[0]) or args[0])
+    x = torch.randn(2, 4, 32)
+    args = {"layer_norm": (32,), "rms_norm": (32,),
+            "ada_layer_norm": (torch.randn(2, 32), torch.randn(2, 32))}[call]
+    function = getattr(cudnorm, call)
+    assert function(x, *args) is x and entered == [x]  # the (stubbed) C++ entry served the plain tensor
+    sub = x.as_subclass(_Subclass)
+    want = {"layer_norm": lambda: F.layer_norm(x, (32,)), "rms_norm": lambda: F.rms_norm(x, (32,)),
+            "ada_layer_norm": lambda: F.layer_norm(x, (32,), eps=1e-6) * args[0][:, None] + args[1][:, None]}
+    torch.testing.assert_close(function(sub, *args).as_subclass(torch.Tensor), want[call]())
+    assert entered == [x]
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch can build the native path")
 def test_build_command_says_why_it_cannot_build_here():
     done = subprocess.run([sys.executable, "-m", "cudnorm.cli", "build"], capture_output=True, text=True)
