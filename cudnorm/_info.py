@@ -70,6 +70,9 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return _path(_runtime.route(torch.empty(0, dtype=torch.bfloat16, device=device)))
     reason = _runtime.route(input)
+    if reason is None and _entry.pending and type(input) is torch.Tensor:
+        # the call itself would switch the native path on first (its threshold differs): answer for that path
+        _entry.try_native(input)
     if reason is None and input.dtype is torch.float64:
         reason = "float64: cuDNN has no double-precision normalization"
     elif reason is None and _entry.native and type(input) is torch.Tensor and not torch.compiler.is_compiling():

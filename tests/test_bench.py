@@ -223,3 +223,23 @@ def test_policy_threshold_script_times_each_threshold_beside_pytorch(tmp_path):
     bad = subprocess.run([sys.executable, script, "--quick", "--cases", "llama-9:decode-b1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "unknown --cases ['llama-9:decode-b1']" in bad.stderr
+
+
+def test_step_kernels_script_compares_each_kernel_of_a_step(tmp_path):
+    """``benchmarks/step_kernels.py --quick`` (the per-kernel account of a model step): on the
+    CPU its "kernels" are operators, a row per name with both providers' times and counts, the
+    largest difference first, and the step times beside (its GPU figures come from device runs)."""
+    out = tmp_path / "kernels.csv"
+    script = str(ROOT / "benchmarks" / "step_kernels.py")
+    done = subprocess.run([sys.executable, script, "--quick", "--csv", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(out.open()))
+    names = [r["kernel"] for r in rows]
+    assert len(names) == len(set(names)) and "aten::mm" in names
+    differences = [abs(float(r["difference_ms"])) for r in rows]
+    assert differences == sorted(differences, reverse=True)
+    mm = rows[names.index("aten::mm")]
+    assert float(mm["torch_ms"]) > 0 and int(mm["torch_launches"]) == int(mm["cudnorm_launches"]) > 0
+    assert all(float(r["torch_step_ms"]) > 0 and float(r["cudnorm_step_ms"]) > 0 for r in rows)
+    assert "dit-64-b2-s16:train: step ms torch" in done.stdout

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import emulated_cudnn as emu
 
 import cudnorm
-from cudnorm import _entry, _native, _runtime
+from cudnorm import _entry, _native, _policy, _runtime
 
 BF16 = torch.bfloat16
 
@@ -249,3 +249,19 @@ def test_build_command_says_why_it_cannot_build_here():
     assert done.returncode == 1
     assert done.stderr.strip() == ("cudnorm build: the native launch path cannot be built here: this torch is not "
                                    "a CUDA build. Fix: install a CUDA build of torch")
+
+
+def test_serving_path_answers_for_the_path_the_call_would_take(untried, monkeypatch):
+    """Before any call has switched the native path on, ``serving_path`` tries it as the call
+    itself would, and names the native path's threshold: the notebooks, asked first, printed
+    the Python path's 16777216 while their calls then ran with 65536."""
+    def try_native(input):  # as on a GPU where the native path builds
+        _entry.pending, _entry.native = False, True
+        return True
+
+    monkeypatch.setattr(_entry, "try_native", try_native)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)  # as for a CUDA tensor with cuDNN available
+    with cudnorm.config(policy="auto"):
+        path = cudnorm.serving_path("layer_norm", torch.randn(4, 32))
+    assert path == f"torch (small call: policy 'auto', {_policy.NATIVE_CUDNN_MIN_ELEMENTS} elements or more run on cuDNN)"
+    assert _entry.native
