@@ -23,8 +23,10 @@ with no cudnorm op or autograd node in between:
 1. tensors not on a CUDA device (CPU, meta) and tensor subclasses such as ``DTensor``:
    PyTorch's ops. Off CUDA there is no cuDNN path. A DTensor call could run cudnorm's op on
    each rank's shard (the rules of :mod:`cudnorm._sharding`), but it reaches the op through
-   the dispatcher and DTensor's sharding propagation, host time no measurement has yet shown
-   the kernel saving to repay; other subclasses have rules for PyTorch's ops only;
+   the dispatcher and DTensor's sharding propagation, and the case that meets DTensors (TP +
+   SP's sequence shards) cannot be flattened into rows on torch 2.11; FSDP2's norms see plain
+   tensors and take rule 3 (two H200s: 1.005x, docs/distributed.md). Other subclasses have
+   rules for PyTorch's ops only;
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements (while the native launch
    path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`): PyTorch's ops;

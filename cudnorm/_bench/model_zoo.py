@@ -595,7 +595,7 @@ class Case:
 
 # torch.compile's modes besides its default, for a host-bound and a GPU-bound DiT step:
 # mode="reduce-overhead" replays CUDA graphs (no host cost left, only kernels and fusions count;
-# docs/performance.md, call Q); max-autotune (also CUDA graphs) is not measured yet
+# docs/performance.md, call Q); max-autotune also tunes GEMMs (minutes per model) and replays CUDA graphs (call U)
 EXTRA_COMPILE_MODES = ("train-compile-max-autotune", "train-compile-reduce-overhead")
 
 
