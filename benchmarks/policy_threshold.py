@@ -15,14 +15,14 @@ thresholds change nothing there (``--quick`` runs the mechanics on the CPU).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from cudnorm import _native, _policy
-from cudnorm._bench import model_zoo, models
+from cudnorm._bench import model_zoo, models, report
 
 
 def measure(case_ids: list[str], thresholds: list[int], rounds: int, device: str, quick: bool) -> list[dict]:
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['case']:28s} {row['variant']:18s} {row['step_ms']:9.3f} {row['vs_torch']:8.3f}x")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        report.write_csv(rows, Path(args.csv), columns=list(rows[0]))
     return 0
 
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cudnorm._bench import model_zoo, models
+from cudnorm._bench import model_zoo, models, report
 
 PROVIDERS = ("torch", "cudnorm")
 PROFILED_STEPS = 3
@@ -104,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update({"torch_step_ms": round(step_ms["torch"], 4), "cudnorm_step_ms": round(step_ms["cudnorm"], 4)})
         every_row += rows
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(every_row[0]))
-            writer.writeheader()
-            writer.writerows(every_row)
+        report.write_csv(every_row, Path(args.csv), columns=list(every_row[0]))
     return 0
 
 

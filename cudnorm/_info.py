@@ -59,7 +59,9 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     the CPU when there is none). With ``input`` it includes the kernel policy
     (:mod:`cudnorm._policy`: small calls run PyTorch's op), for weights of ``input``'s dtype.
     A configuration cuDNN declines at build time also falls back; ``cache_info().declined``
-    counts those.
+    counts those. Asked about a CUDA tensor before any call has tried the native launch path,
+    it tries it as that call would (loading it, or building it once with a progress line), so
+    the answer names the threshold the call gets.
     """
     if op not in OPS:
         raise ValueError(f"cudnorm.serving_path: argument 'op' must be one of {OPS}, got {op!r}")
