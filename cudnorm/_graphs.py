@@ -361,7 +361,10 @@ def _finalise(spec: NormSpec, h, *, full_heuristics: bool):
     g, uids = build_ir(spec, handle=h, kernel_cache=_kernel_cache(spec) if spec.dynamic else None)
     g.validate()
     g.build_operation_graph()
-    g.create_execution_plans(_heuristic_modes(full_heuristics))
+    modes = _heuristic_modes(full_heuristics)
+    # on the worker thread: a mode without an engine leaves a reference cycle holding the
+    # planning thread's frames (cudnorm._runtime.on_worker_thread), which must not be the caller's
+    _runtime.on_worker_thread(spec.device_index, lambda: g.create_execution_plans(modes))
     g.check_support()
     timings: dict = {}
     if spec.autotune and g.get_execution_plan_count() > 1:

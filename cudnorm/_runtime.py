@@ -176,27 +176,58 @@ def handle(device_index: int):
     return _bound(device_index).handle
 
 
-_allocator_thread = None  # a worker thread for kept buffers, made on first use
-_allocator_lock = threading.Lock()
+_worker = None  # cudnorm's one worker thread, made on first use
+_worker_lock = threading.Lock()
+_WORKER_NAME = "cudnorm-worker"
 
 
-def _forget_allocator_thread() -> None:
-    global _allocator_thread, _allocator_lock  # a forked child has no copy of the thread: a new one there
-    _allocator_thread, _allocator_lock = None, threading.Lock()
+def _forget_worker() -> None:
+    global _worker, _worker_lock  # a forked child has no copy of the thread: a new one there
+    _worker, _worker_lock = None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_allocator_thread)
+os.register_at_fork(after_in_child=_forget_worker)
+
+
+def on_worker_thread(device_index: int, work):
+    """``work()`` run on cudnorm's worker thread with ``device_index`` current; its result is
+    returned and its exception raised here. The caller's thread waits (and gives up the GIL).
+
+    Two kinds of work go there. Buffers kept across calls (:func:`_kept`): the calling thread
+    may be allocating into a CUDA-graph pool. And the frontend's planning
+    (``cudnorm._graphs``): when a heuristic mode finds no engine, cudnn-frontend 1.32 keeps
+    that exception in a local of the frame that caught it, a reference cycle that holds the
+    frame, and through its ``f_back`` every frame of the thread's stack until the garbage
+    collector runs; on the caller's thread that kept a model's activations and gradients
+    alive (under ``mode="reduce-overhead"`` it broke CUDA-graph trees' pool check, found on an
+    H100). On the worker the cycle holds only the worker's own frames.
+    """
+    if threading.current_thread().name.startswith(_WORKER_NAME):
+        return work()  # already there (work that asks for a kept buffer): the thread would wait on itself
+
+    def run():
+        with torch.cuda.device(device_index):
+            return work()
+
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_WORKER_NAME)
+    # no local holds the future: one that held it would, with the exception, form a cycle of its own
+    return _worker.submit(run).result()
 
 
 def _kept(device_index: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CUDA buffer kept across calls, allocated on a worker thread: while
+    """An uninitialised CUDA buffer kept across calls, allocated on the worker thread: while
     torch.compile's CUDA-graph modes warm up or record, every allocation of the calling thread
     goes to the graphs' memory pool, where a kept buffer fails cudagraph trees' check that each
     live pool tensor is a graph output (found on an H100 under mode="reduce-overhead"). It is
     marked as used on the caller's stream, so once dropped its memory is not handed out again
     while a launch there may still use it."""
     device = torch.device("cuda", device_index)
-    return _on_allocator_thread(device_index, lambda: torch.empty(shape, dtype=dtype, device=device))
+    tensor = on_worker_thread(device_index, lambda: torch.empty(shape, dtype=dtype, device=device))
+    tensor.record_stream(torch.cuda.current_stream(device_index))
+    return tensor
 
 
 def kept_full(device_index: int, n: int, value: float, dtype: torch.dtype) -> torch.Tensor:
@@ -209,15 +240,7 @@ def kept_full(device_index: int, n: int, value: float, dtype: torch.dtype) -> to
         torch.cuda.current_stream(device_index).synchronize()
         return tensor
 
-    return _on_allocator_thread(device_index, fill)
-
-
-def _on_allocator_thread(device_index: int, make) -> torch.Tensor:
-    global _allocator_thread
-    with _allocator_lock:
-        if _allocator_thread is None:
-            _allocator_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cudnorm-alloc")
-    tensor = _allocator_thread.submit(make).result()
+    tensor = on_worker_thread(device_index, fill)
     tensor.record_stream(torch.cuda.current_stream(device_index))
     return tensor
 

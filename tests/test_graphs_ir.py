@@ -1,4 +1,9 @@
-"""Graph IR of every builder, inspected without a GPU (cuDNN-frontend builds IR on CPU)."""
+"""Graph IR of every builder, inspected without a GPU (cuDNN-frontend builds IR on CPU), and
+where planning runs."""
+
+import gc
+import threading
+import weakref
 
 import pytest
 import torch
@@ -144,3 +149,67 @@ def test_raw_execute_only_on_verified_frontends(monkeypatch):
     cudnorm.config(raw_execute=False)
     assert not _graphs.RawExecute.enabled()
     assert _graphs.RawExecute.mode() == "public execute (raw_execute=False)"
+
+
+class _GraphWhosePlanningKeepsACycle:
+    """Stands in for a cuDNN graph whose planning behaves as cudnn-frontend 1.32's does when one
+    heuristic mode has no engine and a later one has: the failed mode's exception stays in a
+    local of the frame that caught it, a cycle that holds that frame and, through ``f_back``,
+    every frame of the planning thread's stack until the garbage collector runs."""
+
+    def __init__(self) -> None:
+        self.planned_on = None
+
+    def validate(self) -> None:
+        pass
+
+    def build_operation_graph(self) -> None:
+        pass
+
+    def create_execution_plans(self, modes) -> None:
+        self.planned_on = threading.current_thread().name
+        failure = None
+        for mode in ("no engine", "an engine"):
+            try:
+                if mode == "no engine":
+                    raise RuntimeError("no valid engine configs")
+            except RuntimeError as exc:
+                failure = exc  # noqa: F841 - the frontend's cycle: frame -> failure -> traceback -> frame
+
+    def check_support(self) -> None:
+        pass
+
+    def build_plans(self) -> None:
+        pass
+
+
+def test_planning_keeps_no_frame_of_the_caller(monkeypatch):
+    """A DiT step under mode="reduce-overhead" failed CUDA-graph trees' pool check because a plan
+    built inside the compiled backward kept the backward's outputs alive through such a cycle
+    (H100); planning runs on cudnorm's worker thread, so the cycle holds none of the caller's
+    frames and a caller's tensors are freed when it returns, with no garbage collection."""
+    graph = _GraphWhosePlanningKeepsACycle()
+    monkeypatch.setattr(_graphs, "build_ir", lambda spec, handle, kernel_cache: (graph, (1, 2)))
+    spec = NormSpec("layer_norm", "train", 8, 64, torch.float32, torch.float32, -1)  # no device to make current
+
+    def caller(activation):  # a frame holding a tensor, as the backward that needed the plan held its outputs
+        return _graphs._finalise(spec, None, full_heuristics=False)
+
+    activation = torch.empty(3)
+    freed = weakref.ref(activation)
+    gc.disable()
+    try:
+        assert caller(activation)[0] is graph
+        del activation
+        assert freed() is None
+    finally:
+        gc.enable()
+    assert graph.planned_on.startswith("cudnorm-worker")
+
+
+def test_the_worker_thread_runs_work_it_gives_itself():
+    from cudnorm import _runtime
+
+    assert _runtime.on_worker_thread(-1, lambda: _runtime.on_worker_thread(-1, lambda: 5)) == 5
+    with pytest.raises(ValueError, match="raised on the worker"):
+        _runtime.on_worker_thread(-1, lambda: (_ for _ in ()).throw(ValueError("raised on the worker")))
