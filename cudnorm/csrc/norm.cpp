@@ -46,7 +46,16 @@ std::pair<Tensor, Tensor> forward_params(const Tensor& x, const OptTensor& weigh
 
 Slot fixed(const void* address) { return Slot{reinterpret_cast<uintptr_t>(address), 0, Slot::Fixed, {}}; }
 Slot rows(const Tensor& t, int64_t row_bytes) { return Slot{reinterpret_cast<uintptr_t>(t.data_ptr()), row_bytes, Slot::Rows, {}}; }
-Slot stat(const Tensor& row) { return Slot{reinterpret_cast<uintptr_t>(row.data_ptr()), 4, Slot::Stats, row}; }
+// Row k of fp32 statistics (LayerNorm's [2, ceil4(M)], RMSNorm's [M] or [1, ceil4(M)]): its
+// address, and the [M] view only for chunk launches (they copy into it): one launch needs the
+// address alone, and a select and a narrow per row are host time spent on every call.
+Slot stat(const Tensor& stats, int64_t k, int64_t m, const Recipe& recipe) {
+  const int64_t row_stride = stats.dim() == 1 ? 0 : stats.stride(0);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(stats.data_ptr()) + k * row_stride * 4;
+  Tensor view;
+  if (recipe.mode == Mode::Chunked) view = stats.dim() == 1 ? stats : stats[k].narrow(0, 0, m);
+  return Slot{base, 4, Slot::Stats, view};
+}
 
 void run(const Recipe& recipe, const std::vector<Slot>& slots, int64_t cols) {
   if (recipe.mode == Mode::Chunked) {
@@ -115,12 +124,8 @@ std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x_in, const OptTen
   slots.push_back(fixed(&eps_value));
   slots.push_back(rows(y, row_bytes));
   if (training) {
-    if (rms) {
-      slots.push_back(stat(stats.dim() == 1 ? stats : stats[0].narrow(0, 0, m)));
-    } else {
-      slots.push_back(stat(stats[0].narrow(0, 0, m)));
-      slots.push_back(stat(stats[1].narrow(0, 0, m)));
-    }
+    slots.push_back(stat(stats, 0, m, *recipe));
+    if (!rms) slots.push_back(stat(stats, 1, m, *recipe));
   }
   if (offset != 0.0) slots.push_back(fixed(&offset_value));
   if (add && recipe->fused_add) {
@@ -159,12 +164,8 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dy, const Tensor& x_in
   Tensor db = rms ? Tensor() : at::empty({n}, x.options().dtype(wdtype));
   const float offset_value = static_cast<float>(offset);
   std::vector<Slot> slots{rows(x, x.stride(0) * x.element_size()), fixed(scale.data_ptr())};
-  if (rms) {
-    slots.push_back(stat(stats));
-  } else {
-    slots.push_back(stat(stats[0].narrow(0, 0, m)));
-    slots.push_back(stat(stats[1].narrow(0, 0, m)));
-  }
+  slots.push_back(stat(stats, 0, m, *recipe));
+  if (!rms) slots.push_back(stat(stats, 1, m, *recipe));
   slots.push_back(Slot{reinterpret_cast<uintptr_t>(dy_rows.data_ptr()), row_bytes, Slot::Dy, dy_rows});
   slots.push_back(rows(dx, row_bytes));
   slots.push_back(Slot{reinterpret_cast<uintptr_t>(dw.data_ptr()), 0, Slot::Sum, dw});
