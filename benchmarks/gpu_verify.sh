@@ -5,7 +5,8 @@
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps notebooks notebooks-store
 #         host api autotune bench-ln bench-rms ada rows
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
-# processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes).
+# processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
+# the tests marked `alone` run after them, in one process.
 # notebooks: needs the dev extra's nbformat, nbclient and ipykernel importable (else every notebook test fails, saying so).
 # notebooks-store: executes every notebook on this GPU and writes them with their outputs to OUT/notebooks/; copy
 #   them into notebooks/ and commit (tools/make_notebooks.py --check then accepts them until a source changes).
@@ -23,7 +24,7 @@ for stage in "$@"; do
   echo "== $stage"
   case $stage in
     tests-parallel)
-      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests 2>/dev/null | grep "::" \
+      python3 -m pytest -q --collect-only -m "gpu and not alone" -p no:cacheprovider tests 2>/dev/null | grep "::" \
         | grep -v test_distributed > "$out/gpu_ids.txt"
       n=${PARALLEL:-6}
       for i in $(seq 0 $((n - 1))); do
@@ -33,6 +34,9 @@ for stage in "$@"; do
           -rfEs --tb=short --junitxml="$out/part$i.xml" "${ids[@]}" > "$out/part$i.log" 2>&1 &
       done
       wait
+      # tests marked `alone` measure the whole GPU's memory: after the parts, with the GPU to themselves
+      CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+        -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
       tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log
       # per-test outcomes of every part in one file (the XMLs are many files; few come back)
       python3 - "$out" <<'PY' > "$out/outcomes.txt"
