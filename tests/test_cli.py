@@ -134,6 +134,8 @@ def _cases(paths: dict[str, str], specs: dict[str, str], csvs: dict[str, str]) -
             cases += [base + [flag, v] for v in bad]
     cases += [["bench", "--models", "--quick", flag, v] for flag, v in (("--ops", "ln_fwd"), ("--shapes", "8x8"),
                                                                         ("--dtype", "fp32"))]
+    cases += [["bench", "--quick", "--host-overhead", "--host-passes", v] for v in bad_ints]
+    cases += [["bench", "--quick", "--host-passes", "3"], ["bench", "--models", "--quick", "--host-passes", "3"]]
     cases += [["bench", "--from-csv", p] + extra for p in odd + list(csvs.values()) for extra in ([], ["--call", "F"])]
     return cases
 

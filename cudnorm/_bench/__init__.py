@@ -76,8 +76,8 @@ def _cuda_graph_section(out: Path):
     return cuda_graph.HOW, cuda_graph.table(results)
 
 
-def _host_overhead_section(out: Path):
-    results, how = host_overhead.bench()
+def _host_overhead_section(out: Path, passes: int | None = None):
+    results, how = host_overhead.bench(passes=passes)
     report.write_csv(results, out / "host_overhead.csv", columns=host_overhead.COLUMNS)
     host_overhead.plot(results, torch.cuda.get_device_name(), out / "host_overhead.png")
     return how, host_overhead.table(results)
@@ -90,13 +90,16 @@ def _host_breakdown_section(out: Path):
     return host_overhead.BREAKDOWN_HOW, lines
 
 
-def extras(device: str, out: Path, *, graphs: bool, host: bool, plain: bool) -> list[tuple[str, str, list]]:
+def extras(device: str, out: Path, *, graphs: bool, host: bool, plain: bool,
+           host_passes: int | None = None) -> list[tuple[str, str, list]]:
     """The CUDA-graph and host-overhead sections: ``(title, how measured, table)``, their CSVs
     written to ``out``. On a GPU they run when asked for (``graphs``, ``host``), or in a
     ``plain`` (unfiltered, non-quick) run; a failure is reported in its section and the
-    benchmark goes on."""
+    benchmark goes on. ``host_passes``: the host-overhead section's interleaved passes
+    (default :data:`host_overhead.PASSES`)."""
     wanted = [("CUDA graphs: training step, eager vs replay", graphs, _cuda_graph_section),
-              ("Host time per call, same and fresh tensors", host, _host_overhead_section),
+              ("Host time per call, same and fresh tensors", host,
+               lambda out: _host_overhead_section(out, host_passes)),
               ("Where the host time of a call goes", host, _host_breakdown_section)]
     sections = []
     for title, asked, section in wanted:

@@ -62,6 +62,10 @@ def add_arguments(parser) -> None:
                         help="CUDA-graph section (GPU; on by default in a full run)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="host us/call section (GPU; on by default in a full run)")
+    parser.add_argument("--host-passes", type=_args.positive_int, metavar="N",
+                        help="with --host-overhead: interleaved passes whose median each figure is (default "
+                             f"{host_overhead.PASSES}; a backward through autograd's engine moves by 10-20%% "
+                             "between passes)")
     parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
                         help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
                              "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
@@ -97,6 +101,7 @@ def _command(args) -> str:
         if value and not (flag == "dtype" and value == "bf16"):
             parts += [f"--{flag}", str(value)]
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
+    parts += ["--host-passes", str(args.host_passes)] if getattr(args, "host_passes", None) else []
     return shlex.join(parts)
 
 
@@ -162,7 +167,7 @@ def _redraw_ops(rows: list[dict], path: Path) -> int:
 
 
 def _redraw_models(rows: list[dict], path: Path) -> int:
-    png = models.plot(rows, path.parent.name, path.with_suffix(".png"))
+    png = models.plot(rows, path.resolve().parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed or nothing was timed")
     call, latest = plots.latest_run(rows)
     print("\n" + models.LEGEND)
@@ -172,7 +177,7 @@ def _redraw_models(rows: list[dict], path: Path) -> int:
 
 
 def _redraw_host(rows: list[dict], path: Path) -> int:
-    png = host_overhead.plot(rows, path.parent.name, path.with_suffix(".png"))
+    png = host_overhead.plot(rows, path.resolve().parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed")
     print(report.text_table(host_overhead.table(rows), right=0))
     return 0
@@ -197,6 +202,9 @@ def run(args) -> int:
                                                "dit-1152-b8-s1024:train-compile)")
     else:
         chosen = (_pick(args.ops, providers.OPS, "ops"), _pick(args.providers, providers.REGISTRY, "providers"))
+    if args.host_passes and (args.models or not args.host_overhead):
+        raise _args.UsageError("--host-passes", "sets the passes of the host-overhead section: it goes with "
+                                                "--host-overhead, not with --models")
     out = args.out or Path(tempfile.mkdtemp(prefix="cudnorm-bench-"))
     print(f"writing into {out}")
     if device == "cpu":
@@ -231,7 +239,8 @@ def _run_ops(args, device: str, out: Path, ops: list[str], names: list[str]) -> 
     copy_gbps = runner.copy_bandwidth(device, timer)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, read + write; timer: {timer_text})")
     plain = not (args.quick or args.ops or args.providers or args.shapes)
-    sections = _bench.extras(device, out, graphs=args.cuda_graph, host=args.host_overhead, plain=plain)
+    sections = _bench.extras(device, out, graphs=args.cuda_graph, host=args.host_overhead, plain=plain,
+                             host_passes=args.host_passes)
 
     rows = _bench.run_ops(ops, chosen, dtype, device, timer, copy_gbps, out, quick=args.quick, shapes=custom_shapes)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
