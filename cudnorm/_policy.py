@@ -54,8 +54,8 @@ from . import _settings
 # 25-38M elements 1.02-1.07x: GPU-bound steps).
 CUDNN_MIN_ELEMENTS = 1 << 24
 # The same threshold while the native launch path serves (cudnorm._native): its cuDNN call costs
-# about PyTorch's host time (0.91-1.07x for LayerNorm/RMSNorm forwards and backwards, 0.58-0.79x
-# for AdaLN against the eager formula; lent H100, `cudnorm bench --host-overhead`), so all but
+# about PyTorch's host time (0.78-1.04x for LayerNorm/RMSNorm forwards and backwards, 0.64-0.79x
+# for AdaLN against the eager formula; lent H100, `cudnorm bench --host-overhead`, call Z), so all but
 # the smallest eager calls run on cuDNN. Below 2**16 elements the kernel saves about 1 us of GPU
 # time per call, less than the few us of host time cuDNN's execute adds in a host-bound step:
 # a one-token Llama decode step (4096-element calls) read 0.95-0.96x with them on cuDNN and

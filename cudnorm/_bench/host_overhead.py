@@ -5,7 +5,8 @@ A model makes new activations every step, so a cost that appears only when addre
 (a capture, a cache keyed on pointers, an allocation) shows up in the fresh column. Each
 figure is the wall time of ``CALLS`` calls enqueued while a sleeping kernel keeps the stream
 busy, divided by ``CALLS``: the calls only enqueue work, so this is host time, whatever the
-GPU time of the work. Median of 5 rounds, then of 3 interleaved passes.
+GPU time of the work. Median of 5 rounds, then of :data:`PASSES` interleaved passes
+(``cudnorm bench --host-passes`` sets another count).
 
 Directions: ``fwd-infer`` (under ``torch.no_grad()``), ``fwd-train`` (grad mode, inputs
 requiring grad: builds the autograd node), ``bwd`` (``torch.autograd.backward`` of one

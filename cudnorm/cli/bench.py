@@ -101,7 +101,7 @@ def _command(args) -> str:
         if value and not (flag == "dtype" and value == "bf16"):
             parts += [f"--{flag}", str(value)]
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
-    parts += ["--host-passes", str(args.host_passes)] if getattr(args, "host_passes", None) else []
+    parts += ["--host-passes", str(args.host_passes)] if args.host_passes else []
     return shlex.join(parts)
 
 
