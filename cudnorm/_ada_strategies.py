@@ -15,6 +15,8 @@ Forwards (``y`` and, training, fp32 mean/rstd ``[2, ceil4(B*S)]``):
 
 Backwards (``dx``, ``dscale``, ``dshift``):
 
+* ``fused`` (:class:`FusedBackward`): one Triton kernel over all ``B*S`` rows and one sum
+  (:mod:`cudnorm._ada_kernel`): the same launches for any batch.
 * ``per_sample`` (:class:`PerSampleBackward`): the plain LayerNorm backward graph launched
   once per sample with weight ``gain[b]``; its dW/dB are that sample's dscale/dshift.
 * ``cudnn`` (:class:`CudnnBackward`): cuDNN's adalayernorm backward graph, one launch (slow
@@ -35,15 +37,14 @@ from collections.abc import Iterable
 
 import torch
 
-from . import _cache, _dispatch, _runtime, _settings
+from . import _ada_kernel, _cache, _dispatch, _runtime, _settings
 from ._graphs import eps_scalar
 from ._spec import NormSpec
 
 _OP = "ada_layer_norm"
 _F32 = torch.float32
-_F32 = torch.float32
 FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
-STRATEGIES = ("cudnn", "per_sample", "torch")  # backward
+STRATEGIES = ("fused", "cudnn", "per_sample", "torch")  # backward
 
 # (rule(b, s, d, dtype), strategy) rows, first match wins. Measured with fresh tensors on a
 # lent H100 (bf16, GPU time per call from CUDA-graph replays of plain launches;
@@ -57,11 +58,13 @@ ADA_CUDNN_BACKWARD_MAX = 1 << 22
 FORWARD_RULES = ((lambda b, s, d, dtype: True, "cudnn"),)
 BACKWARD_RULES = (
     (lambda b, s, d, dtype: b == 1, "per_sample"),  # one LayerNorm backward launch
-    (lambda b, s, d, dtype: b <= 8 and b * s * d <= ADA_CUDNN_BACKWARD_MAX, "cudnn"),
-    (lambda b, s, d, dtype: True, "per_sample"),
+    (lambda b, s, d, dtype: True, "fused"),  # one kernel and one sum, whatever the batch
 )
 FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"), "torch": ()}
-BACKWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"), "torch": ()}
+# where Triton is missing (or the row too wide) ``fused`` hands over to the cuDNN strategies:
+# cuDNN's AdaLN graph for few samples, where it matches the per-sample launches in one launch
+BACKWARD_ORDER = {"fused": ("fused", "per_sample", "cudnn"), "cudnn": ("cudnn", "per_sample"),
+                  "per_sample": ("per_sample", "cudnn"), "torch": ()}
 
 
 def choose_forward(b: int, s: int, d: int, dtype: torch.dtype) -> str:
@@ -157,9 +160,17 @@ def _backward_outputs(x2, b, scale_dtype):
 # hands the call to the next in its order (FORWARD_ORDER, BACKWARD_ORDER).
 
 
-def plan_for(spec: NormSpec | None):
-    """The plan of ``spec`` (``None`` when there is no spec or cuDNN declines it)."""
-    return None if spec is None else _cache.get_plan(spec)
+class KernelSpec(tuple):
+    """What a strategy that runs cudnorm's own kernel (no cuDNN graph) serves a call with:
+    :func:`plan_for` hands it back as the "plan" (there is nothing to build or warm up)."""
+
+
+def plan_for(spec):
+    """The plan of ``spec`` (``None`` when there is no spec or cuDNN declines it); a
+    :class:`KernelSpec` is its own plan."""
+    if spec is None or isinstance(spec, KernelSpec):
+        return spec
+    return _cache.get_plan(spec)
 
 
 class CudnnForward:
@@ -310,7 +321,32 @@ class PerSampleBackward:
         return dx, dscale, dshift if shift_dtype is scale.dtype else dshift.to(shift_dtype)
 
 
-BACKWARDS = {strategy.name: strategy for strategy in (PerSampleBackward, CudnnBackward)}
+class FusedBackward:
+    """``fused``: one Triton kernel over all ``B*S`` rows writes dx and each program's partial
+    sums of ``dy * xhat`` and ``dy``, one sum over them gives dscale/dshift
+    (:mod:`cudnorm._ada_kernel`): the same launches for 2 samples or 128. The rules pick it
+    from 2 samples on; without Triton it hands over to ``per_sample``."""
+
+    name = "fused"
+
+    @staticmethod
+    def spec(x2, b, scale_dtype, device_index):
+        return KernelSpec((_OP, "bwd", "fused")) if _ada_kernel.available(x2, scale_dtype) else None
+
+    @staticmethod
+    def run(plan, dy2, x2, b, scale, stats, dit, shift_dtype):
+        """``(dx [B*S, D], dscale [B, D], dshift [B, D])``: dscale in the scale's dtype, dshift
+        in ``shift_dtype``, each rounded once from fp32 sums."""
+        if scale.stride(-1) != 1:
+            scale = scale.contiguous()
+        dx, sums = _ada_kernel.backward(dy2, x2, b, scale, stats, dit)
+        if scale.dtype is shift_dtype:
+            sums = sums if shift_dtype is _F32 else sums.to(shift_dtype)  # one cast for both
+            return dx, sums[0], sums[1]
+        return dx, sums[0].to(scale.dtype), sums[1].to(shift_dtype)
+
+
+BACKWARDS = {strategy.name: strategy for strategy in (FusedBackward, PerSampleBackward, CudnnBackward)}
 
 
 # ---------------------------------------------------------------- warmup
@@ -334,6 +370,6 @@ def specs_for(batch: int, seq: int, cols: int, x_dtype: torch.dtype, scale_dtype
             found = (FORWARDS[name].spec(x2, batch, fwd_dtype, phase == "train", device_index)
                      for name in FORWARD_ORDER[forward_strategy(batch, seq, cols, x_dtype)])
         spec = next((spec for spec in found if spec is not None), None)
-        if spec is not None:
+        if isinstance(spec, NormSpec):  # a KernelSpec has no cuDNN graph to warm up
             specs.append(spec)
     return specs

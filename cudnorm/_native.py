@@ -481,6 +481,8 @@ def _resolve_ada_backward(x2: torch.Tensor, ints, floats) -> list[int]:
     for name in _ada_strategies.BACKWARD_ORDER[_ada_strategies.backward_strategy(b, rows // b, d, x2.dtype)]:
         strategy = _ada_strategies.BACKWARDS[name]
         plan = _ada_strategies.plan_for(strategy.spec(x2, b, scale_dtype, x2.device.index))
+        if isinstance(plan, _ada_strategies.KernelSpec):  # cudnorm's own kernel: launched from Python
+            return _recipe(PYTHON)
         if plan is not None:
             return _recipe(SINGLE if name == "cudnn" else PER_SAMPLE, scale_dtype,
                            launches=[(plan, 0, plan.spec.rows)])

@@ -31,6 +31,7 @@ from typing import Literal
 from . import _warn
 
 _STRATEGIES = ("auto", "cudnn", "per_sample", "torch")
+_BACKWARD_STRATEGIES = ("auto", "fused", "cudnn", "per_sample", "torch")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class Config:
         ada_forward: the AdaLN forward strategy: ``"auto"`` (the rule table in
             ``cudnorm.ada_layer_norm``), ``"cudnn"``, ``"per_sample"`` or ``"torch"``.
             [``CUDNORM_ADA_FWD``]
-        ada_backward: the AdaLN backward strategy, the same values. [``CUDNORM_ADA_BWD``]
+        ada_backward: the AdaLN backward strategy, the same values or ``"fused"`` (one
+            Triton kernel for any batch, ``cudnorm._ada_kernel``). [``CUDNORM_ADA_BWD``]
         raw_execute: launch plans through the frontend's raw-pointer execute where that
             frontend version was verified for it (``cudnorm._graphs``); ``False``: always
             the public ``execute``. [``CUDNORM_RAW_EXECUTE``: ``1``/``0`` and synonyms]
@@ -95,7 +97,7 @@ class Config:
     exact_rows: int = 1
     exact_after: int = 1
     ada_forward: Literal["auto", "cudnn", "per_sample", "torch"] = "auto"
-    ada_backward: Literal["auto", "cudnn", "per_sample", "torch"] = "auto"
+    ada_backward: Literal["auto", "fused", "cudnn", "per_sample", "torch"] = "auto"
     raw_execute: bool = True
     plan_store: bool = True
     plan_store_dir: str | None = None
@@ -197,7 +199,8 @@ OPTIONS: dict[str, _Option] = {
     "exact_rows": _Option("CUDNORM_EXACT_ROWS", "an integer >= 0", _integer(0), parse=int),
     "exact_after": _Option("CUDNORM_EXACT_AFTER", "an integer >= 1", _integer(1), parse=int),
     "ada_forward": _Option("CUDNORM_ADA_FWD", _names(_STRATEGIES), _choice(*_STRATEGIES), parse=str.lower),
-    "ada_backward": _Option("CUDNORM_ADA_BWD", _names(_STRATEGIES), _choice(*_STRATEGIES), parse=str.lower),
+    "ada_backward": _Option("CUDNORM_ADA_BWD", _names(_BACKWARD_STRATEGIES), _choice(*_BACKWARD_STRATEGIES),
+                            parse=str.lower),
     "raw_execute": _Option("CUDNORM_RAW_EXECUTE", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
     "plan_store": _Option("CUDNORM_PLAN_STORE", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
     "plan_store_dir": _Option("CUDNORM_PLAN_STORE_DIR", "a path (str or os.PathLike) or None", _directory),

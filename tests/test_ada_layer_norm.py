@@ -87,20 +87,23 @@ def test_no_grad_forward_saves_no_stats():
 
 
 def test_strategy_rules_and_settings():
-    # cuDNN's AdaLN forward graph everywhere; its backward graph for a few small samples, the
-    # per-sample LayerNorm backward otherwise
-    for shape, backward in [((4, 1024, 768), "cudnn"), ((8, 256, 1152), "cudnn"), ((2, 1024, 1152), "cudnn"),
-                            ((32, 256, 1152), "per_sample"), ((8, 1024, 1152), "per_sample"),
-                            ((16, 4096, 3072), "per_sample"), ((1, 1, 1000), "per_sample")]:
+    # cuDNN's AdaLN forward graph everywhere; the backward: one plain LayerNorm backward launch
+    # for one sample, the fused kernel (a fixed number of launches) for any larger batch
+    for shape, backward in [((4, 1024, 768), "fused"), ((8, 256, 1152), "fused"), ((2, 1024, 1152), "fused"),
+                            ((32, 256, 1152), "fused"), ((128, 4096, 3072), "fused"),
+                            ((1, 4096, 3072), "per_sample"), ((1, 1, 1000), "per_sample")]:
         assert strategies.choose_forward(*shape, torch.bfloat16) == "cudnn"
         assert strategies.choose_backward(*shape, torch.bfloat16) == backward, shape
     cudnorm.config(ada_backward="cudnn", ada_forward="torch")
     assert strategies.backward_strategy(1, 1, 8, torch.float32) == "cudnn"
     assert strategies.forward_strategy(16, 4096, 3072, torch.bfloat16) == "torch"
-    for name in ("ada_backward", "ada_forward"):
+    for name, allowed in (("ada_backward", "'auto', 'fused', 'cudnn', 'per_sample' or 'torch'"),
+                          ("ada_forward", "'auto', 'cudnn', 'per_sample' or 'torch'")):
         for removed in ("fastest", "per_sample_graph", "cudnn_graph"):  # the captured strategies are gone
-            with pytest.raises(ValueError, match=f"option '{name}' must be 'auto', 'cudnn', 'per_sample' or 'torch'"):
+            with pytest.raises(ValueError, match=f"option '{name}' must be {allowed}"):
                 cudnorm.config(**{name: removed})
+    with pytest.raises(ValueError, match="option 'ada_forward' must be"):
+        cudnorm.config(ada_forward="fused")  # a backward-only strategy
 
 
 def test_check_cases_pass_on_cpu():
@@ -439,7 +442,7 @@ def test_gpu_chunked_modulation_every_strategy_agrees(wdtype):
     emb = (0.1 * torch.randn(b, 6 * d, device="cuda")).to(wdtype).requires_grad_(True)
     dy = torch.randn_like(x)
     results = {}
-    for bwd in ("per_sample", "cudnn", "torch"):
+    for bwd in ("fused", "per_sample", "cudnn", "torch"):
         cudnorm.config(ada_backward=bwd)
         shift, scale = emb.chunk(6, dim=1)[:2]
         y = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
@@ -543,7 +546,7 @@ def test_gpu_opcheck(fwd, bwd, training, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fwd, bwd", [("cudnn", "per_sample"), ("per_sample", "cudnn")])
+@pytest.mark.parametrize("fwd, bwd", [("cudnn", "per_sample"), ("per_sample", "cudnn"), ("cudnn", "fused")])
 def test_gpu_compile_fullgraph(fwd, bwd):
     cudnorm.config(ada_forward=fwd, ada_backward=bwd)
     _compiled_matches_eager("cuda")

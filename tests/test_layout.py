@@ -17,7 +17,8 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn", "reference"),  # no package imports
+    ("_ada_kernel", "_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
+     "reference"),  # no package imports
     ("_settings",),
     ("_policy", "_recording", "_runtime"),
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
