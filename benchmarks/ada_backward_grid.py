@@ -11,9 +11,10 @@ as a training step pays it), by:
 * ``eager``: PyTorch's eager formula; ``compile``: that formula under ``torch.compile``
   (``dynamic=True``: one compile serves the grid).
 
-GPU us: the kernels' time per call from the profiler (sum of every kernel a call launches).
-Host us: wall time per call of calls enqueued behind a sleeping kernel
-(:func:`cudnorm._bench.host_overhead.host_us`), each call on a fresh ``dy`` from a pool.
+Host and GPU us from one loop: calls enqueued behind a sleeping kernel, each on a fresh ``dy``
+from a pool; the wall time of enqueueing them is host time, the CUDA-event time over them GPU
+time (:func:`_timed`). Per-sample launches at large B fill CUDA's launch queue, so that
+provider's host figure there is a bound, not host time.
 Every provider's dx is checked against the fp32 formula (``rel_err``).
 
 Run (GPU): PYTHONPATH=. python benchmarks/ada_backward_grid.py --csv OUT.csv [--png OUT.png]
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +46,9 @@ def _formula(x, scale, shift):
 
 # dynamic shapes: one compile serves the grid (a static compile per shape would take minutes)
 _compiled = torch.compile(_formula, dynamic=True)
+# the timed calls re-run one backward graph (retain_graph=True), which a compiled backward
+# that donates its saved buffers refuses
+torch._functorch.config.donated_buffer = False
 
 
 def _forward(provider: str):
@@ -52,15 +57,25 @@ def _forward(provider: str):
     return _compiled if provider == "compile" else _formula
 
 
-def _gpu_us(call, reps: int = 5) -> float:
-    """Per call: the sum of the CUDA kernels' durations the profiler saw over ``reps`` calls."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
+def _timed(call, calls: int, rounds: int = 5) -> tuple[float, float]:
+    """``(host us, GPU us)`` per call, medians over ``rounds``: ``calls`` calls enqueued behind
+    a sleeping kernel; the wall time of enqueueing them is host time (the GPU never bounds it),
+    the CUDA-event time from the first call's start to the last one's end is GPU time (the
+    calls were all queued before the GPU reached them, so it has no host gaps)."""
+    host, gpu = [], []
+    for _ in range(rounds):
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / reps
+        torch.cuda._sleep(host_overhead.SLEEP_CYCLES)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host.append((time.perf_counter() - start) / calls * 1e6)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(begin.elapsed_time(end) / calls * 1e3)
+    return statistics.median(host), statistics.median(gpu)
 
 
 def measure(b: int, s: int, d: int, provider: str) -> dict:
@@ -78,10 +93,9 @@ def measure(b: int, s: int, d: int, provider: str) -> dict:
 
         for _ in range(3):
             call()  # compiles kernels, builds plans
-        gpu = _gpu_us(call)
         # per-sample launches fill CUDA's launch queue behind the sleeping kernel: fewer calls
         calls = 20 if provider != "cudnorm-per_sample" else max(2, min(20, 256 // b))
-        host = host_overhead.host_us(call, calls=calls, rounds=3)
+        host, gpu = _timed(call, calls)
         dx = call()[0]
     xf = x.detach().float().requires_grad_(True)
     want = torch.autograd.grad(_formula(xf, scale.detach().float(), shift.detach().float()), xf,

@@ -89,8 +89,9 @@ def _kernel():
 
 def available(x2: torch.Tensor, scale_dtype: torch.dtype) -> bool:
     """Whether the kernel serves ``x2: [B*S, D]`` (unit column stride) with a ``[B, D]`` scale
-    of ``scale_dtype``: CUDA tensors of fp16/bf16/fp32, ``D <= MAX_COLS``, Triton importable."""
-    return (x2.is_cuda and x2.dtype in _DTYPES and scale_dtype in _DTYPES and x2.shape[1] <= MAX_COLS
+    of ``scale_dtype``: CUDA tensors of fp16/bf16/fp32, ``D <= MAX_COLS``, Triton importable.
+    A meta ``x2`` stands for a CUDA one (warmup and the native path's recipes ask with those)."""
+    return (x2.device.type in ("cuda", "meta") and x2.dtype in _DTYPES and scale_dtype in _DTYPES and x2.shape[1] <= MAX_COLS
             and x2.stride(1) == 1 and _kernel() is not None)
 
 

@@ -27,6 +27,12 @@ AUTOTUNE_MIN_ELEMENTS = 1 << 22
 # 8192 x 262144) it took 36-103 s per graph for <= 1.01x, so those keep the first plan
 # (docs/performance.md, Decisions).
 AUTOTUNE_MAX_ELEMENTS = 1 << 30
+# LayerNorm backwards of these widths are tuned too (from AUTOTUNE_MIN_ELEMENTS): on a lent
+# H100 the heuristics' first plan took 353 us at 32768 x 4096 and 720 us at 32768 x 8192
+# against 279 and 562 for the tuned plan (1.27-1.28x); at 1024, 2048 and 16384 columns, and
+# for every RMSNorm backward measured (1024-4096), the tuned plan was no faster, up to 18%
+# slower (RMSNorm 2048) (docs/performance.md, Decisions)
+TUNED_LAYER_NORM_BACKWARD_COLS = (4096, 8192)
 # Forwards with at least this many columns run PyTorch's fused kernel instead of cuDNN's graph
 # (issue 4 allows a PyTorch kernel where it is measured faster). H200, bf16 x, fp32 weights
 # rounded to bf16, ``cudnorm bench`` (benchmarks/results/nvidia-h200/bench.csv): at
@@ -45,8 +51,10 @@ def autotune_wanted(op: str, phase: str, rows: int, cols: int) -> bool:
         # Not cuDNN's AdaLN forward graph: with every plan timed, its first plan was the fastest
         # at three DiT shapes, and one tuning at 16x4096x3072 picked a plan 14% slower (0.308
         # vs 0.270 ms; H200; docs/performance.md, Decisions)
-        return (phase != "bwd" and op != "ada_layer_norm"
-                and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS)
+        if phase == "bwd" and not (op == "layer_norm" and TUNED_LAYER_NORM_BACKWARD_COLS[0] <= cols
+                                   <= TUNED_LAYER_NORM_BACKWARD_COLS[1]):
+            return False
+        return op != "ada_layer_norm" and AUTOTUNE_MIN_ELEMENTS <= rows * cols <= AUTOTUNE_MAX_ELEMENTS
     return mode == "on"
 
 

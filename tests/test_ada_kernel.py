@@ -162,3 +162,13 @@ def test_gpu_fused_launches_do_not_grow_with_the_batch():
             torch.cuda.synchronize()
         counts[b] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     assert counts[2] == counts[64] and counts[2] <= 6, counts
+
+
+def test_warmup_asks_for_no_backward_graph_where_the_kernel_serves():
+    """With Triton importable, a meta ``x`` (what warmup and the native path's recipes ask
+    with) is served by the kernel, so warmup builds no per-sample backward graph."""
+    pytest.importorskip("triton")
+    x2 = torch.empty((3 * 77, 1000), dtype=torch.float32, device="meta")
+    assert _ada_kernel.available(x2, torch.float32)
+    assert not _ada_kernel.available(torch.empty((3 * 77, 1000)), torch.float32)  # a CPU tensor: PyTorch's path
+    assert strategies.specs_for(3, 77, 1000, torch.float32, torch.float32, 0, phases=("bwd",)) == []

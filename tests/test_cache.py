@@ -123,7 +123,12 @@ def test_autotune_policies():
     cudnorm.config(autotune="auto")
     assert _dispatch.autotune_wanted("layer_norm", "train", 32768, 4096)
     assert not _dispatch.autotune_wanted("layer_norm", "train", 64, 4096)
-    assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)
+    assert _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 4096)  # the widths where tuning won
+    assert _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 8192)
+    assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 1024)
+    assert not _dispatch.autotune_wanted("layer_norm", "bwd", 32768, 16384)
+    assert not _dispatch.autotune_wanted("layer_norm", "bwd", 64, 4096)  # too small to pay for tuning
+    assert not _dispatch.autotune_wanted("rms_norm", "bwd", 32768, 4096)
     assert _dispatch.autotune_wanted("rms_norm", "train", 32768, 32768)  # 2**30 elements: tuned
     assert not _dispatch.autotune_wanted("rms_norm", "train", 16384, 131072)  # 2**31: tuning costs 36-103 s
     cudnorm.config(autotune="on")

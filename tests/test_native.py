@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import emulated_cudnn as emu
 
 import cudnorm
-from cudnorm import _entry, _native, _policy, _runtime
+from cudnorm import _ada_kernel, _entry, _native, _policy, _runtime
 
 BF16 = torch.bfloat16
 
@@ -99,8 +99,13 @@ def test_residual_add_is_fused_up_to_the_measured_width(resolve):
     assert recipe["mode"] == _native.SINGLE and not recipe["fused"]
 
 
-@pytest.mark.parametrize("batch, backward", [(2, _native.SINGLE), (16, _native.PER_SAMPLE)])
-def test_adaln_strategies_follow_the_rules(resolve, batch, backward):
+@pytest.mark.parametrize("batch, kernel, backward", [
+    (2, True, _native.PYTHON),  # the fused kernel: launched from Python, one call for the batch
+    (16, True, _native.PYTHON),
+    (16, False, _native.PER_SAMPLE),  # no Triton: the per-sample LayerNorm backward graph
+    (1, True, _native.PER_SAMPLE)])  # one sample: one LayerNorm backward launch
+def test_adaln_strategies_follow_the_rules(resolve, monkeypatch, batch, kernel, backward):
+    monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: kernel)
     x2 = torch.randn(batch * 256, 64, dtype=BF16)
     forward = resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])
     assert forward["mode"] == _native.SINGLE
