@@ -199,3 +199,17 @@ def test_missing_reads_the_installed_libraries(monkeypatch):
     assert case.missing() is None
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert case.missing() == "diffusers is not installed"
+
+
+def test_modes_of_the_steps_and_the_check():
+    """Eager training runs in train mode, compiled training and sampling in eval mode (one
+    compiled graph for the steps and the eval-mode check); the check leaves the mode as it was."""
+    name = "diffusers-dit-xl-2"
+    training = {mode: _base(name, mode).training for mode in real_models.MODES}
+    assert training == {"train": True, "sample": False, "train-compile": False, "sample-compile": False}
+    w = models.real_builder(real_models.RealCase(name, "train", quick=True), "cpu", torch.float32)("torch")
+    seen = []
+    w.model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    out, grad = w.check(torch.Generator().manual_seed(0))
+    assert seen == [False] and w.model.training
+    assert grad.shape == w.inputs(None)[0]["hidden_states"].shape and grad.abs().sum() > 0

@@ -227,10 +227,10 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
 def real_builder(case: RealCase, device: str, dtype: torch.dtype) -> Callable[[str], Workload]:
     """``make(provider)`` -> the :class:`Workload` of a real model: one seeded model is built
     (on first use) and each provider gets a deep copy of it (:func:`.real_models.provider_copy`).
-    Training steps run in train mode; sampling steps in eval mode under
-    ``torch.inference_mode``; the check compares in eval mode (DiT's class-label dropout draws
-    random numbers in train mode), the output and in training the latent input's gradient (a
-    compiled model compiles once more for eval mode: not part of ``compile_s``)."""
+    Eager training steps run in train mode, compiled ones and sampling in eval mode
+    (:func:`.real_models.build_base` says why), sampling under ``torch.inference_mode``; the
+    check compares in eval mode (DiT's class-label dropout draws random numbers in train
+    mode), the output and in training the latent input's gradient."""
     spec, base = case.spec, []
 
     def inputs(gen):
@@ -251,13 +251,14 @@ def real_builder(case: RealCase, device: str, dtype: torch.dtype) -> Callable[[s
                     return forward(*inputs(gen)).clone(), None
             (kwargs,) = inputs(gen)
             latent = next(iter(kwargs.values())).requires_grad_()
+            training = model.training
             model.eval()
             try:
                 model.zero_grad(set_to_none=True)
                 out = forward(kwargs)
                 out.float().square().mean().backward()
             finally:
-                model.train()
+                model.train(training)
             return out.detach().clone(), latent.grad
 
         return Workload(model, forward, inputs, case.train, grad_off=torch.inference_mode, check=check, note=note)

@@ -15,9 +15,11 @@ batch, 2x the prompt batch; the language models a prefill), each also ``-compile
 Depth: the issue's (DiT 12, PixArt 12, SD3.5 8, Flux 2 double + 6 single blocks, Llama/Qwen3
 4 layers) by default: every case then times four copies (torch, torch-again, cudnorm, limit)
 within a few seconds and its copies, their gradients and one step's activations fit an 80 GB
-GPU with room. ``RealCase(..., full_depth=True)`` builds the published depth: DiT-XL/2 and
-PixArt (28 layers) fit four copies; SD3.5-medium (24) fits about three; Flux.1 (19 + 38,
-12B parameters) holds only one.
+GPU with room (Flux.1's, the largest: 1.6B parameters, 3 GiB and as much for gradients per
+copy). ``RealCase(..., full_depth=True)`` builds the published depth: DiT-XL/2 and PixArt (28
+layers, 0.75B/0.6B parameters) fit four copies; SD3.5-medium (24 layers, 2.2B) fits four
+tightly; Llama-3-8B/Qwen3-8B (32/36 layers, 7.5B: 27 GiB a copy with gradients) two; Flux.1
+(19 + 38 blocks, 11.9B) one.
 """
 
 from __future__ import annotations
@@ -108,8 +110,11 @@ def providers(case: RealCase, asked: list[str]) -> list[str]:
 
 
 def build_base(case: RealCase, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The seeded model of ``case`` on ``device`` in ``dtype``, in train mode for training
-    cases and eval mode for sampling; built once per case, copied for each provider."""
+    """The seeded model of ``case`` on ``device`` in ``dtype``, built once per case and copied
+    for each provider; in train mode for eager training, else in eval mode. Compiled training
+    steps run in eval mode too: the check compares in eval mode, and a model switching modes
+    compiles twice (minutes at these widths). The six models' dropouts are all 0: eval mode
+    only skips DiT's class-label dropout, a ``[B]`` rand."""
     torch.manual_seed(0)
     with torch.device(device):
         model = case.spec.build(case.config)
@@ -118,7 +123,7 @@ def build_base(case: RealCase, device: str, dtype: torch.dtype) -> torch.nn.Modu
     model = torch.nn.Module.to(model, device=device, dtype=dtype)
     # norm weights start at ones: randomised as a trained model's are, or the loss of Llama's
     # final norm would not depend on its input (model_zoo.randomize_norms says why)
-    return model_zoo.randomize_norms(model).train(case.train)
+    return model_zoo.randomize_norms(model).train(case.train and not case.compiled)
 
 
 def provider_copy(base: torch.nn.Module, provider: str) -> tuple[torch.nn.Module, str | None]:
