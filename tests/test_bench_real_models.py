@@ -213,3 +213,12 @@ def test_modes_of_the_steps_and_the_check():
     out, grad = w.check(torch.Generator().manual_seed(0))
     assert seen == [False] and w.model.training
     assert grad.shape == w.inputs(None)[0]["hidden_states"].shape and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["train", "train-compile", "sample"])
+def test_training_steps_take_the_latents_gradient(mode):
+    """The latent of a training step requires grad, as in the check (a compiled model then
+    sees one graph), and a sampling step's does not."""
+    case = real_models.RealCase("transformers-llama-3-8b", mode, quick=True)
+    (kwargs,) = models.real_builder(case, "cpu", torch.float32)("torch").inputs(None)
+    assert kwargs["inputs_embeds"].requires_grad == case.train
