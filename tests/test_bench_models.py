@@ -15,9 +15,9 @@ from cudnorm._bench import model_zoo, models, real_models
 # cudnorm-python runs under cudnorm.config(native="off"), an option of the native launch path
 needs_native_option = pytest.mark.skipif("native" not in _settings.OPTIONS,
                                          reason="this cudnorm.config has no 'native' option")
-# the providers whose models run on the CPU (Liger needs triton and a GPU)
+# the providers whose models of the zoo run on the CPU (Liger needs triton and a GPU)
 CPU_PROVIDERS = [pytest.param(p, marks=needs_native_option) if p == "cudnorm-python" else p
-                 for p in models.PROVIDERS if p not in ("torch", "liger")]
+                 for p in models.MODEL_PROVIDERS["sd3"] if p not in ("torch", "liger")]
 
 
 def _rows(path):
