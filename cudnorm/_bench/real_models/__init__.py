@@ -9,7 +9,8 @@ DiT-XL/2 (B 32, 256 px), PixArt-alpha (B 8, 512 px), SD3.5-medium (B 2, 1024 px)
 Flux.1-dev (B 1, 1024 px, 512 text tokens), Llama-3-8B and Qwen3-8B widths (B 1, 4096
 tokens). Modes: ``train`` (forward, loss, backward), ``sample`` (a forward under
 ``torch.inference_mode`` in eval mode; the diffusers models at the classifier-free guidance
-batch, 2x the prompt batch; the language models a prefill), each also ``-compile``
+batch, 2x the prompt batch, but guidance-distilled Flux.1-dev at its prompt batch, as its
+pipeline runs it; the language models a prefill), each also ``-compile``
 (``torch.compile`` of the whole model; only run when a filter term names it).
 
 Depth: the issue's (DiT 12, PixArt 12, SD3.5 8, Flux 2 double + 6 single blocks, Llama/Qwen3
@@ -36,7 +37,6 @@ from .. import model_zoo
 from . import diffusers_models, limit, transformers_models
 from .spec import RealModel
 
-
 MODELS = {m.name: m for m in (*diffusers_models.MODELS, *transformers_models.MODELS)}
 MODES = ("train", "sample", "train-compile", "sample-compile")
 # every real case times these, whatever --providers says: the noise floor and the ceiling
@@ -54,10 +54,7 @@ class RealCase(model_zoo.CaseMode):
 
     # compiled only when a filter term names it, on a GPU too (a whole model takes minutes)
     compile_on_request: ClassVar[bool] = True
-    decode: ClassVar[bool] = False
-    autocast: ClassVar[bool] = False
-    compile_mode: ClassVar[None] = None
-    cuda_graphs: ClassVar[bool] = False
+    decode: ClassVar[bool] = False  # no KV-cache decode steps (models.py reads it of every case)
 
     @property
     def spec(self) -> RealModel:
