@@ -288,7 +288,7 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
     started = time.perf_counter()
     usable, notes = models.usable_providers(asked, device)
     if any(isinstance(case, real_models.RealCase) for case in cases):
-        notes.append(f"{' and '.join(real_models.ALWAYS)} always, in the real models' cases")
+        notes.append(f"{' and '.join(real_models.ALWAYS)}: always in the real models' cases")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = models.QUICK_SETTINGS if args.quick else models.Settings()
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
