@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -534,8 +535,27 @@ def first_linear_weight(model: nn.Module) -> torch.Tensor:
 # Cases: the model configurations of the full and the quick run
 
 
+class CaseMode:
+    """What the ``name`` and ``mode`` of a case (:class:`Case`, ``real_models.RealCase``) say."""
+
+    name: str
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}:{self.mode}"
+
+    @property
+    def train(self) -> bool:
+        return self.mode.startswith("train")
+
+    @property
+    def compiled(self) -> bool:
+        return "compile" in self.mode
+
+
 @dataclass(frozen=True)
-class Case:
+class Case(CaseMode):
     """One model configuration in one mode. ``seq``: tokens per sequence (SD3: image tokens;
     Flux: image and text tokens; decode: the prefilled cache length when timing starts; each
     step adds one token). Mode ``train-autocast``: fp32 parameters (fp32 master weights, norm
@@ -555,17 +575,8 @@ class Case:
     context: int = 0  # decode: KV-cache length
     text: int = 0  # SD3: text-stream tokens
 
-    @property
-    def id(self) -> str:
-        return f"{self.name}:{self.mode}"
-
-    @property
-    def train(self) -> bool:
-        return self.mode.startswith("train")
-
-    @property
-    def compiled(self) -> bool:
-        return "compile" in self.mode
+    # compiled only when a filter term names it, even in a full run on a GPU (see select)
+    compile_on_request: ClassVar[bool] = False
 
     @property
     def compile_mode(self) -> str | None:
@@ -652,18 +663,18 @@ def all_cases(quick: bool) -> list[Case]:
             + [Case("gpt2", "gpt2-1024-b8-s1024", mode, 8, 1024, 1024, 16, 4) for mode in ("train", "train-compile")])
 
 
-def select(cases: list[Case], filter_text: str | None, device: str, quick: bool) -> list[Case]:
-    """Cases whose id contains any comma-separated term of ``filter_text`` ("all": every
-    case); a term that is a whole case id selects that case only (``dit-1152-b8-s256:train``
-    not its ``:train-compile``). Compile modes run on a GPU in a full run, elsewhere only
-    when a term names them."""
+def select(cases: list, filter_text: str | None, device: str, quick: bool) -> list:
+    """Cases (these and :mod:`.real_models`') whose id contains any comma-separated term of
+    ``filter_text`` ("all": every case); a term that is a whole case id selects that case only
+    (``dit-1152-b8-s256:train`` not its ``:train-compile``). Compile modes run on a GPU in a
+    full run, elsewhere (and those of cases ``compile_on_request``) only when a term names them."""
     terms = [] if filter_text in (None, "", "all") else [t.strip() for t in filter_text.split(",") if t.strip()]
     ids = {c.id for c in cases}
     exact, parts = {t for t in terms if t in ids}, [t for t in terms if t not in ids]
     chosen = [c for c in cases if not terms or c.id in exact or any(t in c.id for t in parts)]
-    if device != "cuda" or quick:
-        chosen = [c for c in chosen if not c.compiled or any("compile" in t for t in terms)]
-    return chosen
+    named = any("compile" in t for t in terms)
+    opt_in = device != "cuda" or quick
+    return [c for c in chosen if not c.compiled or named or not (opt_in or c.compile_on_request)]
 
 
 def dtypes(case: Case, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:

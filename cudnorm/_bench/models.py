@@ -15,13 +15,20 @@ provider swaps *only* the norms and the weights are identical (seeded):
 * Llama-style decoder (RMSNorm): ``train`` and one-token ``decode-b1``/``decode-b32`` with
   a KV cache; providers torch, cudnorm, liger.
 * GPT-2-style stack (LayerNorm): ``train``; providers torch, cudnorm, liger.
+* The models people run (:mod:`.real_models`): diffusers' DiT, PixArt, SD3.5 and Flux.1 and
+  transformers' Llama and Qwen3, their own classes at published widths, each provider a deep
+  copy of one model (``cudnorm``: ``cudnorm.patch``); modes ``train`` and ``sample``
+  (``torch.inference_mode``), each ``-compile`` on request. Always with ``torch-again`` and
+  ``limit`` (norms and AdaLN modulation costing nothing): ``share_of_limit`` = (torch ms -
+  provider ms) / (torch ms - limit ms), the share of the possible gain a provider takes.
 
 How a case is measured (:func:`run_case`):
 
 1. Each provider's model is built and warmed up (``compile_s``: the warm-up's wall time, in
    compile modes; decode warm-ups visit every cache length once), then run once on the same
    seeded inputs: ``rel_diff`` (and in training ``grad_rel_diff``, of the first block's
-   first Linear weight) is its relative L2 distance from the torch provider's result.
+   first Linear weight; of the latent input for the real models, checked in eval mode) is
+   its relative L2 distance from the torch provider's result.
 2. Rounds: in every round each provider runs ``K`` back-to-back steps in turn (so drift of
    clocks or temperature hits all alike), one synchronize at the end: ``step_ms`` is the
    median over rounds of wall time / K. At least 5 rounds, more (up to 40) until every
@@ -35,7 +42,8 @@ How a case is measured (:func:`run_case`):
    events over replays, so it is GPU time without host gaps.
 
 ``speedup`` = torch's step_ms / the provider's and ``host_ratio`` likewise (> 1: faster than
-PyTorch's norms in the same run).
+PyTorch's norms in the same run); ``again_ratio`` = torch's step_ms / torch-again's, the run's
+noise floor, on every row of the case.
 """
 
 from __future__ import annotations
@@ -50,23 +58,29 @@ from pathlib import Path
 
 import torch
 
-from . import model_zoo, plots, report, runner
+from . import model_zoo, plots, real_models, report, runner
 from .model_zoo import Case
+from .real_models import RealCase
 from .._progress import progress
 
-COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
-           "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
+# the columns a models.csv has had since issue 32 (how --from-csv tells one), then the newer ones
+BASE_COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
+                "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
+COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit")
 # Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (policy="cudnn"),
 # the evidence for the default policy's choices (cudnorm._policy); cudnorm-python, the same
 # on the Python launch path (what the native one saves); torch-again, PyTorch's norms in a
 # second model instance, whose ratio to torch is the run's noise floor
-PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "torch-again")
+# limit: the real models with norms and modulation costing nothing (real_models.limit)
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "torch-again", "limit")
 DEFAULT_PROVIDERS = ("torch", "cudnorm", "liger")
-MODEL_PROVIDERS = {"dit": tuple(p for p in PROVIDERS if p != "liger"),  # Liger has no AdaLN
-                   "sd3": PROVIDERS, "flux": PROVIDERS, "llama": PROVIDERS, "gpt2": PROVIDERS}
+_ZOO_PROVIDERS = PROVIDERS[:-1]
+MODEL_PROVIDERS = {"dit": tuple(p for p in _ZOO_PROVIDERS if p != "liger"),  # Liger has no AdaLN
+                   "sd3": _ZOO_PROVIDERS, "flux": _ZOO_PROVIDERS, "llama": _ZOO_PROVIDERS, "gpt2": _ZOO_PROVIDERS}
+MODEL_PROVIDERS.update({name: spec.providers for name, spec in real_models.MODELS.items()})
 MODEL_TITLES = {"dit": "DiT (AdaLN)", "sd3": "SD3-like MMDiT (AdaLN, qk RMSNorm)",
                 "flux": "Flux-like single-stream (AdaLN, qk RMSNorm)", "llama": "Llama (RMSNorm)",
-                "gpt2": "GPT-2 (LayerNorm)"}
+                "gpt2": "GPT-2 (LayerNorm)", **{name: spec.title for name, spec in real_models.MODELS.items()}}
 
 LEGEND = """\
 Legend: ms per step, median over interleaved rounds of K back-to-back steps on fresh inputs
@@ -74,31 +88,37 @@ Legend: ms per step, median over interleaved rounds of K back-to-back steps on f
 PyTorch's norms). host = host time of one step after a synchronize, until the Python call of
 backward (or forward) returns. saving = where torch's norm work takes longer than cudnorm's:
 norm GPU time saved (CUDA graph of the step's norms) / step time saved. rel diff = relative
-L2 distance of cudnorm's output / first-Linear weight gradient from torch's on the same inputs."""
+L2 distance of cudnorm's output / first-Linear weight gradient from torch's on the same inputs.
+Real models (one line per provider): again = torch's time / torch-again's (the noise floor);
+share of limit = (torch ms - this ms) / (torch ms - limit ms), where limit is the model with
+its norms and AdaLN modulation costing nothing; rel diff out / grad of the latent input, in
+eval mode."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Timing loop sizes: ``rounds`` R, ``steps`` K per round (``decode_steps`` for decode),
-    ``warmup`` steps, single-step host samples per round (at least 1)."""
+    """Timing loop sizes: ``rounds`` R, ``steps`` K per round (``decode_steps`` for decode,
+    ``real_steps`` for the real models, whose steps take 20-200 ms on an H100), ``warmup``
+    steps, single-step host samples per round (at least 1)."""
 
     rounds: int = 5
     steps: int = 10
     decode_steps: int = 50
+    real_steps: int = 4
     warmup: int = 3
     # more rounds, up to max_rounds, until each provider has min_timed_s of timed steps: steps
     # of a few ms are host-bound, and a lent host's jitter moved 5-round medians by +-10%
     min_timed_s: float = 3.0
     max_rounds: int = 40
 
-    def k(self, case: Case) -> int:
-        return self.decode_steps if case.decode else self.steps
+    def k(self, case: Case | RealCase) -> int:
+        return self.real_steps if isinstance(case, RealCase) else self.decode_steps if case.decode else self.steps
 
     def host_samples(self, case: Case) -> int:
         return max(1, self.k(case) // 5)
 
 
-QUICK_SETTINGS = Settings(rounds=2, steps=2, decode_steps=2, warmup=1, min_timed_s=0.0)
+QUICK_SETTINGS = Settings(rounds=2, steps=2, decode_steps=2, real_steps=2, warmup=1, min_timed_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,15 +143,21 @@ def unavailable(provider: str, device: str) -> str | None:
 class Workload:
     """One provider's model for one case. ``inputs(gen)`` draws fresh random inputs
     (``gen``: a seeded generator for the equivalence check, else the global RNG);
-    ``forward(*inputs)`` returns the model's output."""
+    ``forward(*inputs)`` returns the model's output. ``grad_off``: the context a forward
+    without backward runs in; ``check(gen)``: ``(output, gradient or None)`` of the
+    equivalence check, when the case does not use :func:`_check_result`'s; ``note``: a remark
+    for the provider's row (what ``cudnorm.patch`` left)."""
 
     model: torch.nn.Module
     forward: Callable[..., torch.Tensor]
-    inputs: Callable[[torch.Generator | None], tuple[torch.Tensor, ...]]
+    inputs: Callable[[torch.Generator | None], tuple]
     train: bool
     # compiled in a CUDA-graph mode: each step starts a new round of CUDA-graph replays
     # (the previous step's graph outputs may be overwritten; nothing keeps them)
     new_graph_step: bool = False
+    grad_off: Callable = torch.no_grad
+    check: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    note: str | None = None
 
     def step(self, gen: torch.Generator | None = None) -> torch.Tensor:
         """One step on fresh inputs; returns once backward (or the forward) has been enqueued."""
@@ -139,7 +165,7 @@ class Workload:
             torch.compiler.cudagraph_mark_step_begin()
         inputs = self.inputs(gen)
         if not self.train:
-            with torch.no_grad():
+            with self.grad_off():
                 return self.forward(*inputs)
         self.model.zero_grad(set_to_none=True)
         out = self.forward(*inputs)
@@ -198,6 +224,61 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
                     new_graph_step=case.cuda_graphs)
 
 
+def real_builder(case: RealCase, device: str, dtype: torch.dtype) -> Callable[[str], Workload]:
+    """``make(provider)`` -> the :class:`Workload` of a real model: one seeded model is built
+    (on first use) and each provider gets a deep copy of it (:func:`.real_models.provider_copy`).
+    Eager training steps run in train mode, compiled ones and sampling in eval mode
+    (:func:`.real_models.build_base` says why), sampling under ``torch.inference_mode``; the
+    check compares in eval mode (DiT's class-label dropout draws random numbers in train
+    mode), the output and in training the latent input's gradient. Training steps take that
+    gradient too: a language model's ``inputs_embeds`` come from its embedding, which trains;
+    for the diffusers models it adds the patch embedding's input gradient (a GEMM of 16-64
+    channels, well under 1% of the step); and a compiled model sees the same graph in its
+    steps and in the check (a latent requiring grad or not would compile the model twice)."""
+    spec, base = case.spec, []
+
+    def inputs(gen):
+        kwargs = spec.inputs(case.config, case.batch, device, dtype, gen)
+        next(iter(kwargs.values())).requires_grad_(case.train)
+        return (kwargs,)
+
+    def make(provider: str) -> Workload:
+        if not base:
+            base.append(real_models.build_base(case, device, dtype))
+        model, note = real_models.provider_copy(base[0], provider)
+        compiled = case.compile(model)
+
+        def forward(kwargs):
+            return spec.output(compiled(**kwargs))
+
+        def check(gen):
+            if not case.train:
+                with torch.inference_mode():
+                    return forward(*inputs(gen)).clone(), None
+            (kwargs,) = inputs(gen)
+            latent = next(iter(kwargs.values()))
+            training = model.training
+            model.eval()
+            try:
+                model.zero_grad(set_to_none=True)
+                out = forward(kwargs)
+                out.float().square().mean().backward()
+            finally:
+                model.train(training)
+            return out.detach().clone(), latent.grad
+
+        return Workload(model, forward, inputs, case.train, grad_off=torch.inference_mode, check=check, note=note)
+
+    return make
+
+
+def _builder(case: Case | RealCase, device: str, dtype: torch.dtype) -> Callable[[str], Workload]:
+    """``make(provider)`` -> the provider's :class:`Workload` of ``case``."""
+    if isinstance(case, RealCase):
+        return real_builder(case, device, dtype)
+    return lambda provider: build(case, provider, device, dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # Measurement
 
@@ -236,9 +317,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _check_result(w: Workload, case: Case, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Output (and first-Linear weight grad in training) of one step on seeded inputs."""
+    gen = torch.Generator(device=device).manual_seed(1234)
+    if w.check is not None:
+        return w.check(gen)
     if case.decode:
         w.model.position = w.model.prefill  # the same cache contents for every provider
-    gen = torch.Generator(device=device).manual_seed(1234)
     out = w.step(gen).detach().clone()  # a CUDA-graph output is overwritten by the next replay
     grad = model_zoo.first_linear_weight(w.model).grad if case.train else None
     return out, None if grad is None else grad.detach().clone()
@@ -270,7 +353,7 @@ def _recompiles_allowed(enabled: bool):
 
 _INTS = ("batch", "seq", "width")
 _FLOATS = ("step_ms", "host_ms", "speedup", "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib",
-           "compile_s")
+           "compile_s", "again_ratio", "share_of_limit")
 
 
 def typed_row(row: dict) -> dict:
@@ -279,21 +362,22 @@ def typed_row(row: dict) -> dict:
             else v for k, v in row.items()}
 
 
-def blank_row(case: Case, provider: str) -> dict:
+def blank_row(case: Case | RealCase, provider: str) -> dict:
     return {"model": case.model, "case": case.id, "mode": case.mode, "provider": provider, "batch": case.batch,
             "seq": case.seq, "width": case.width, "step_ms": None, "host_ms": None, "speedup": None,
             "host_ratio": None, "norm_ms": None, "rel_diff": None, "grad_rel_diff": None, "max_mem_gib": None,
-            "compile_s": None, "status": "ok"}
+            "compile_s": None, "status": "ok", "again_ratio": None, "share_of_limit": None}
 
 
 def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Workload]:
     """Build, warm up and check every provider; return those that work (failures go in
     their row's status)."""
     live, reference = {}, None
+    make = _builder(case, device, dtype)
     for p in providers:
         try:
             with model_zoo.provider_settings(p):
-                reference = _prepare_one(case, p, settings, device, dtype, rows, live, reference)
+                reference = _prepare_one(case, p, make, settings, device, rows, live, reference)
         except Exception as exc:  # noqa: BLE001 - OOM, missing kernel...: reported, the rest runs
             rows[p]["status"] = runner.describe(exc)
             live.pop(p, None)  # drop a half-built model before the next provider is built
@@ -301,10 +385,12 @@ def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Worklo
     return live
 
 
-def _prepare_one(case, p, settings, device, dtype, rows, live, reference):
-    """Build, warm up and check provider ``p`` into ``live``; returns the torch provider's
-    ``(output, grad)`` once it has run (the reference of the others)."""
-    w = build(case, p, device, dtype)
+def _prepare_one(case, p, make, settings, device, rows, live, reference):
+    """Build (``make(p)``), warm up and check provider ``p`` into ``live``; returns the torch
+    provider's ``(output, grad)`` once it has run (the reference of the others)."""
+    w = make(p)
+    if w.note:
+        rows[p]["status"] = f"ok ({w.note})"
     start = time.perf_counter()
     # decode: walk the whole cache once. SDPA can plan a kernel per key length on first
     # use (tens of ms each on an H100 at small head sizes, cached process-wide), so the
@@ -390,17 +476,38 @@ def norm_ms(case: Case, provider: str, device: str, dtype: torch.dtype) -> float
     return statistics.median(samples[3:])
 
 
-def run_case(case: Case, providers: list[str], settings: Settings, device: str, dtype: torch.dtype) -> list[dict]:
+@contextlib.contextmanager
+def _without_cudnn_sdpa(why: str | None, rows: dict):
+    """Turn cuDNN's SDPA backend off while the case runs when ``why`` says it must (and say
+    so, on the terminal and in every row's status); restore it after."""
+    if why is None:
+        yield
+        return
+    print(f"note: cuDNN SDPA is off for {next(iter(rows.values()))['case']}: {why}")
+    for row in rows.values():
+        row["status"] = "ok (cuDNN SDPA off)"
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+def run_case(case: Case | RealCase, providers: list[str], settings: Settings, device: str,
+             dtype: torch.dtype) -> list[dict]:
     """Rows of one case, one per provider (see the module docstring for what each holds)."""
     rows = {p: blank_row(case, p) for p in providers}
-    with _recompiles_allowed(case.compiled):
+    real = isinstance(case, RealCase)
+    with _recompiles_allowed(case.compiled), _without_cudnn_sdpa(case.sdpa_note(device) if real else None, rows):
         live = _prepare(case, providers, settings, device, dtype, rows)
         if live:
             _interleave(case, live, settings, device, rows)
         live.clear()
         runner.free(device, collect=True)
         for p in providers:
-            if device != "cuda" or rows[p]["step_ms"] is None:
+            # norm_ms replays the zoo's norm calls; a real model's norms are its library's classes
+            if device != "cuda" or rows[p]["step_ms"] is None or real:
                 continue
             try:
                 with model_zoo.provider_settings(p):
@@ -408,12 +515,26 @@ def run_case(case: Case, providers: list[str], settings: Settings, device: str, 
             except Exception as exc:  # noqa: BLE001 - the step numbers stand without it
                 rows[p]["status"] = f"ok (norm_ms: {runner.describe(exc)})"
             runner.free(device, collect=True)
+    _ratios(rows)
+    return list(rows.values())
+
+
+def _ratios(rows: dict[str, dict]) -> None:
+    """Fill ``speedup``, ``host_ratio``, ``again_ratio`` and ``share_of_limit`` of one case's
+    rows (by provider) from their times."""
     base = rows.get("torch")
+    if not (base and base["step_ms"]):
+        return
+    again, limit = rows.get("torch-again"), rows.get("limit")
+    again_ratio = base["step_ms"] / again["step_ms"] if again and again["step_ms"] else None
+    gain = base["step_ms"] - limit["step_ms"] if limit and limit["step_ms"] else None
     for row in rows.values():
-        if base and base["step_ms"] and row["step_ms"]:
+        if row["step_ms"]:
             row["speedup"] = base["step_ms"] / row["step_ms"]
             row["host_ratio"] = base["host_ms"] / row["host_ms"]
-    return list(rows.values())
+            row["again_ratio"] = again_ratio
+            # no share where the limit is no faster than torch: nothing to take a share of
+            row["share_of_limit"] = (base["step_ms"] - row["step_ms"]) / gain if gain and gain > 0 else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,11 +558,28 @@ def _saving_cell(torch_row: dict, mine: dict) -> str:
     return f"{torch_row['norm_ms'] - mine['norm_ms']:.3f} / {torch_row['step_ms'] - mine['step_ms']:.3f}"
 
 
+def _real_lines(mine: list[dict]) -> list[list[str]]:
+    """A real model's table: a line per (case, provider) with the ratios the issue's targets
+    read (speed-up, torch-again's ratio, share of the limit's gain) and the errors."""
+    lines = [["case", "provider", "ms/step (vs torch)", "again", "share of limit", "host ms",
+              "rel diff out / grad", "status"]]
+    for r in mine:
+        share, again = r.get("share_of_limit"), r.get("again_ratio")
+        diffs = [v for v in (r["rel_diff"], r["grad_rel_diff"]) if v is not None]
+        lines.append([r["case"], r["provider"], _speed_cell(r), "" if again is None else f"{again:.2f}x",
+                      "" if share is None else f"{share:.0%}", "" if r["host_ms"] is None else f"{r['host_ms']:.2f}",
+                      " / ".join(f"{v:.1e}" for v in diffs), "" if r["status"] == "ok" else r["status"]])
+    return lines
+
+
 def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
-    """``{model title: [header, *one line per case]}``."""
+    """``{model title: [header, *one line per case]}`` (the real models: a line per provider)."""
     out = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
+        if model in real_models.MODELS:
+            out[MODEL_TITLES[model]] = _real_lines(mine)
+            continue
         by_case = {}
         for r in mine:
             by_case.setdefault(r["case"], {})[r["provider"]] = r
@@ -465,8 +603,10 @@ def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
 
 def mode_group(mode: str) -> str:
     """The plot panel of a mode: "train" (``train-autocast`` too), "train-compile" or
-    "infer / decode"."""
-    return "train-compile" if "compile" in mode else "train" if mode.startswith("train") else "infer / decode"
+    "infer / decode" (the real models' ``sample`` and ``sample-compile`` too)."""
+    if not mode.startswith("train"):
+        return "infer / decode"
+    return "train-compile" if "compile" in mode else "train"
 
 
 MODE_GROUPS = ("train", "train-compile", "infer / decode")
@@ -507,7 +647,9 @@ def run_cases(cases: list[Case], providers: list[str], settings: Settings, devic
     ``out/models.csv`` is kept current after every case, so an interrupted run leaves data."""
     rows: list[dict] = []
     for case in progress(cases, len(cases), "cudnorm bench --models"):
-        rows += run_case(case, [p for p in providers if p in MODEL_PROVIDERS[case.model]], settings, device, dtype)
+        mine = real_models.providers(case, providers) if isinstance(case, RealCase) else [
+            p for p in providers if p in MODEL_PROVIDERS[case.model]]
+        rows += run_case(case, mine, settings, device, dtype)
         report.write_csv(rows, out / "models.csv", columns=COLUMNS)
     return rows
 

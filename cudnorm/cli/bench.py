@@ -9,7 +9,8 @@ Run::
     cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack,torch-again --shapes 32768x4096
     cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
     cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNGs, reprint
-    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2):
+    cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2, and
+                                                # diffusers'/transformers' own: _bench/real_models):
                                                 # _bench/models.py
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .. import _bench
-from .._bench import host_overhead, model_zoo, models, plots, providers, report, runner
+from .._bench import host_overhead, model_zoo, models, plots, providers, real_models, report, runner
 from .._spec import dtype_from_name
 from . import _args
 
@@ -123,7 +124,8 @@ def _from_csv(path: Path, call: str | None) -> int:
         raise _args.UsageError("--from-csv", f"{str(path)!r} is not a CSV file ({exc})") from None
     if call is not None and "call" not in columns:
         raise _args.UsageError("--call", f"{str(path)!r} has no 'call' column")
-    kinds = [(report.COLUMNS, _redraw_ops), (models.COLUMNS, _redraw_models), (host_overhead.COLUMNS, _redraw_host)]
+    kinds = [(report.COLUMNS, _redraw_ops), (models.BASE_COLUMNS, _redraw_models),
+             (host_overhead.COLUMNS, _redraw_host)]
     redraw = next((redraw for needed, redraw in kinds if set(needed) <= columns), None)
     if redraw is None:
         raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv or host_overhead.csv "
@@ -195,11 +197,12 @@ def run(args) -> int:
                 raise _args.UsageError(f"--{flag}", "does not apply to --models (its cases fix their shapes and dtype)")
         # on a CPU PyTorch against itself shows how far apart equal kernels time (every provider runs PyTorch's code)
         defaults = models.DEFAULT_PROVIDERS + (("torch-again",) if device == "cpu" else ())
-        chosen = (_pick(",".join(defaults) if args.providers is None else args.providers, models.PROVIDERS, "providers"),
-                  model_zoo.select(model_zoo.all_cases(args.quick), args.models, device, args.quick))
+        every = model_zoo.all_cases(args.quick) + real_models.cases(args.quick)
+        asked = ",".join(defaults) if args.providers is None else args.providers
+        chosen = (_pick(asked, models.PROVIDERS, "providers"), model_zoo.select(every, args.models, device, args.quick))
         if not chosen[1]:
             raise _args.UsageError("--models", f"no case matches {args.models!r} (case ids look like "
-                                               "dit-1152-b8-s1024:train-compile)")
+                                               "dit-1152-b8-s1024:train-compile or diffusers-flux.1-dev:train)")
     else:
         chosen = (_pick(args.ops, providers.OPS, "ops"), _pick(args.providers, providers.REGISTRY, "providers"))
     if args.host_passes and (args.models or not args.host_overhead):
@@ -210,7 +213,7 @@ def run(args) -> int:
     if device == "cpu":
         print(CPU_CAVEAT)
     if args.models:
-        return _run_models(args, device, out, *chosen)
+        return _run_models(args, device, out, chosen[0], _runnable(chosen[1]))
     return _run_ops(args, device, out, *chosen)
 
 
@@ -266,12 +269,26 @@ def _run_ops(args, device: str, out: Path, ops: list[str], names: list[str]) -> 
     return 1 if failed else 0
 
 
+def _runnable(cases: list) -> list:
+    """``cases`` without the real models whose library is missing (one line says which)."""
+    missing = {}
+    for case in cases:
+        why = case.missing() if isinstance(case, real_models.RealCase) else None
+        if why is not None:
+            missing.setdefault(why, []).append(case.id)
+    for why, ids in missing.items():
+        print(f"skipped {len(ids)} case(s): {why} ({', '.join(ids)})")
+    return [c for c in cases if not any(c.id in ids for ids in missing.values())]
+
+
 def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> int:
     """``cudnorm bench --models [FILTER]``: run ``cases`` with the providers ``asked`` (those
     that run here), write models.csv/.png/.md to ``out``, print the tables last. Returns 1
     when a cudnorm row failed."""
     started = time.perf_counter()
     usable, notes = models.usable_providers(asked, device)
+    if any(isinstance(case, real_models.RealCase) for case in cases):
+        notes.append(f"{' and '.join(real_models.ALWAYS)}: always in the real models' cases")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = models.QUICK_SETTINGS if args.quick else models.Settings()
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
