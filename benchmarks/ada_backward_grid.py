@@ -8,6 +8,8 @@ as a training step pays it), by:
 * ``cudnorm``: ``cudnorm.ada_layer_norm`` with the default rules (``fused`` from 2 samples);
 * ``cudnorm-per_sample``: the same with ``ada_backward="per_sample"`` (the previous rule for
   more than 8 samples: one LayerNorm backward launch per sample);
+* ``cudnorm-cudnn``: ``ada_backward="cudnn"``, cuDNN's AdaLN backward graph (the previous rule
+  for 2-8 samples; only up to :data:`CUDNN_GRAPH_MAX`);
 * ``eager``: PyTorch's eager formula; ``compile``: that formula under ``torch.compile``
   (``dynamic=True``: one compile serves the grid).
 
@@ -34,7 +36,10 @@ import torch.nn.functional as F
 import cudnorm
 from cudnorm._bench import host_overhead, report
 
-PROVIDERS = ("cudnorm", "cudnorm-per_sample", "eager", "compile")
+PROVIDERS = ("cudnorm", "cudnorm-per_sample", "cudnorm-cudnn", "eager", "compile")
+# cuDNN's AdaLN backward graph collapses beyond a few samples (3.5 ms at 32 x 256 x 1152):
+# timed only up to this batch and size
+CUDNN_GRAPH_MAX = (8, 1 << 24)
 COLUMNS = ("shape", "batch", "seq", "dim", "provider", "gpu_us", "host_us", "gpu_vs_eager", "host_vs_eager",
            "gpu_vs_compile", "rel_err")
 POOL = 4
@@ -82,7 +87,7 @@ def measure(b: int, s: int, d: int, provider: str) -> dict:
     x = torch.randn(b, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     emb = (0.1 * torch.randn(b, 6 * d, device="cuda")).bfloat16().requires_grad_(True)
     shift, scale = emb.chunk(6, dim=1)[:2]
-    setting = {"ada_backward": "per_sample"} if provider == "cudnorm-per_sample" else {}
+    setting = {"ada_backward": provider.split("-")[1]} if provider.startswith("cudnorm-") else {}
     with cudnorm.config(**setting):
         y = _forward(provider)(x, scale, shift)
         pool = [torch.randn_like(y) for _ in range(POOL)]
@@ -160,6 +165,8 @@ def main() -> None:
         for s in args.seqs:
             for b in args.batches:
                 for p in args.providers:
+                    if p == "cudnorm-cudnn" and (b > CUDNN_GRAPH_MAX[0] or b * s * d > CUDNN_GRAPH_MAX[1]):
+                        continue
                     try:
                         rows.append(measure(b, s, d, p))
                     except torch.OutOfMemoryError:
