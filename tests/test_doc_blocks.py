@@ -12,6 +12,7 @@ that it does. A block that stops running fails its page's test, naming the block
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import re
@@ -62,16 +63,41 @@ def test_every_block_has_a_known_language_and_place():
         assert f"tools/doc_blocks.py {kind})" in ci, f".ci/run does not run the {kind} blocks"
 
 
+def source_files(root: Path) -> list[str]:
+    """The source tree's files under ``root``, relative to it: git's tracked files in a git
+    checkout; in a tree without git (a release tarball, ``git archive``), every file but what
+    its .gitignore names (caches, build outputs)."""
+    if (root / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+        return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
+    ignore = root / ".gitignore"
+    patterns = [line.strip().strip("/") for line in ignore.read_text().splitlines()
+                if line.strip() and not line.startswith("#")] if ignore.exists() else []
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if not any(fnmatch.fnmatch(d, p) for p in patterns)]
+        found += [os.path.relpath(os.path.join(directory, f), root) for f in files
+                  if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    return sorted(Path(name).as_posix() for name in found)
+
+
+def test_the_source_tree_is_listed_without_git(tmp_path):
+    for name in ("README.md", "cudnorm/a.py", "cudnorm/__pycache__/a.cpython-311.pyc", "cudnorm.egg-info/PKG-INFO",
+                 "docs/b.md", ".pytest_cache/v/x"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".gitignore").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n")
+    assert source_files(tmp_path) == [".gitignore", "README.md", "cudnorm/a.py", "docs/b.md"]
+
+
 @pytest.fixture
 def checkout(tmp_path):
-    """A copy of the checkout's tracked files (blocks write files, relative to it) and the
-    environment its blocks run in."""
+    """A copy of the source tree (blocks write files, relative to it) and the environment its
+    blocks run in."""
     copy = tmp_path / "checkout"
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, listed.decode().split("\0")):
-        if (ROOT / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, copy / name)
+    for name in source_files(ROOT):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, copy / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, command in (("cudnorm", f'exec "{sys.executable}" -m cudnorm.cli "$@"'),
