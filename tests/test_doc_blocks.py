@@ -107,7 +107,10 @@ def checkout(tmp_path):
     # the copy first (its cudnorm is imported), then what the caller's PYTHONPATH held (where
     # packages come from it, as on the GPU machines: the cuDNN frontend)
     path = os.pathsep.join(filter(None, (str(copy), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path,
+    # then the scripts of this interpreter's environment (torchrun, mkdocs, jupyter), also when
+    # it runs without its environment activated
+    scripts = os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]))
+    env = {**os.environ, "PATH": scripts, "PYTHONPATH": path,
            "MPLBACKEND": "Agg", "CUDNORM_PLAN_STORE_DIR": str(tmp_path / "plans"), "OMP_NUM_THREADS": "1"}
     return copy, env
 
