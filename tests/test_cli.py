@@ -166,8 +166,11 @@ def test_fuzz_no_traceback_reaches_the_user(no_real_work, odd_paths, tmp_path, c
             wrong.append((argv, f"traceback: {type(exc).__name__}: {exc}"[:300]))
             continue
         lines = err.strip().splitlines()
+        blamed = f"cudnorm {argv[0]}: " if argv and argv[0] in cli.SUBCOMMANDS else "cudnorm: "
         if status != 2 or len(lines) != 1 or "error: argument" not in lines[0] and "arguments" not in lines[0]:
             wrong.append((argv, f"status {status}, stderr {err[-300:]!r}"))
+        elif not lines[0].startswith(blamed) or lines[0].count("(see ") != 1:
+            wrong.append((argv, f"not one line of {blamed!r} with one '(see ...)': {lines[0][:300]!r}"))
         elif "Traceback" in out + err:
             wrong.append((argv, "a traceback was printed"))
     assert len(cases) > 250
