@@ -9,7 +9,9 @@
 
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> int``: it
 parses, calls the library, prints and picks the exit status. The library never imports
-this package. ``python -m cudnorm.cli`` is the same command without the console script.
+this package. The console script is ``cudnorm_console.main`` (beside the package, so that
+``cudnorm --version`` does not import torch), which hands everything else to :func:`main`;
+``python -m cudnorm.cli`` is the same command without the console script.
 
 Exit statuses: 0 done; 1 a check or benchmark row failed, or a file could not be read or
 written (one line naming the path); 2 bad input (one line naming the argument, as argparse
