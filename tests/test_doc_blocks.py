@@ -52,7 +52,7 @@ def _groups():
 
 def test_every_block_has_a_known_language_and_place():
     """python/bash run, text is output; each runs here or in .ci/run, which runs the README's
-    set-up and test blocks as written (through tools/doc_blocks.py)."""
+    set-up and test blocks as written (through tools/doc_blocks.py), without the frontend."""
     wrong = [f"{b.where}: {b.language!r} block, kind {b.kind!r}" for b in BLOCKS
              if b.language not in doc_blocks.LANGUAGES or (b.language == "text") != (b.kind == "output")
              or b.kind not in (*doc_blocks.KINDS, "output")]
@@ -61,6 +61,10 @@ def test_every_block_has_a_known_language_and_place():
     for kind in ("ci-setup", "ci-tests"):
         assert [b for b in BLOCKS if b.kind == kind and b.page == "README.md"], f"README.md has no {kind} block"
         assert f"tools/doc_blocks.py {kind})" in ci, f".ci/run does not run the {kind} blocks"
+    # the README's tiers run as its reader has them (no frontend); then what needs the frontend
+    frontend = ci.index('pip install -q -e ".[dev,frontend]"')
+    assert ci.index("tools/doc_blocks.py ci-tests)") < frontend < ci.index("python3 -m pytest -m frontend"), \
+        ".ci/run must run the README's tests before it installs the frontend, and the frontend tests after"
 
 
 def source_files(root: Path) -> list[str]:
