@@ -33,7 +33,7 @@ eps = 1e-3  # large enough to matter in the check of rstd
 dtype = torch.float16
 print(device, "->", cudnorm.serving_path("ada_layer_norm", torch.empty(0, device=device, dtype=dtype)))
 info = cudnorm.info()
-has_frontend = info["cudnn_frontend"] is not None  # describes cuDNN graphs, on a CPU too
+has_frontend = info["cudnn_frontend"] is not None  # it describes cuDNN graphs (on a CPU too)
 NO_FRONTEND = ("no cuDNN frontend: this cell would print the {} graph's nodes and tensors; "
                'pip install -e ".[frontend]" brings it')
 
