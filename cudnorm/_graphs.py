@@ -83,7 +83,7 @@ def build_ir(spec: NormSpec, handle=None, kernel_cache=None):
     A ``spec.dynamic`` graph is a dynamic-shape graph bound to ``kernel_cache`` (made by
     :func:`build_plan`; ``None`` when only the IR is wanted).
     """
-    cudnn = _runtime.cudnn_module()
+    cudnn = _runtime.frontend("cudnorm._graphs.build_ir")
     dt = _runtime.torch_to_cudnn_dtype
     f32 = cudnn.data_type.FLOAT
     io = dt(spec.x_dtype)
@@ -339,7 +339,7 @@ def _kernel_cache(spec: NormSpec):
     key = (spec.device_index, spec.op, spec.phase)
     cache = _kernel_caches.get(key)
     if cache is None:
-        cache = _runtime.cudnn_module().create_kernel_cache()
+        cache = _runtime.frontend("cudnorm._graphs._kernel_cache").create_kernel_cache()
         _kernel_caches.put(key, cache)
     return cache
 
@@ -349,7 +349,7 @@ def _heuristic_modes(full: bool) -> list:
     A + B + FALLBACK (their lists are concatenated, A's first) at a fraction of the cost: a
     LayerNorm backward at N = 4096 (H200) spent 0.28-0.35 s in mode A vs 0.57-0.80 s in all
     three (docs/performance.md, Decisions). Autotuning wants every candidate."""
-    cudnn = _runtime.cudnn_module()
+    cudnn = _runtime.frontend("cudnorm._graphs._heuristic_modes")
     if full:
         return [cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]
     return [cudnn.heur_mode.A]
@@ -522,7 +522,7 @@ def serialize_plan(plan: Plan) -> bytes:
 def deserialize_plan(spec: NormSpec, blob: bytes, plan_name: str = "deserialized") -> Plan:
     """Rebuild a runnable :class:`Plan` from :func:`serialize_plan` output (6-30 ms instead
     of a 0.1-1.4 s build). Raises if the blob does not load on this device/library."""
-    cudnn = _runtime.cudnn_module()
+    cudnn = _runtime.frontend("cudnorm._graphs.deserialize_plan")
     start = time.perf_counter()
     with torch.cuda.device(spec.device_index):
         h = _runtime.handle(spec.device_index)

@@ -42,7 +42,8 @@ class CudnnStatus:
 
 @functools.lru_cache(maxsize=None)
 def cudnn_module():
-    """The imported ``cudnn`` frontend module, or ``None`` when it does not import.
+    """The imported ``cudnn`` frontend module, or ``None`` when it does not import (code that
+    needs it calls :func:`frontend`, which says what to install).
 
     torch is imported first (above) so that the frontend binds the cuDNN library torch
     already loaded rather than a second copy.
@@ -51,6 +52,26 @@ def cudnn_module():
         import cudnn  # noqa: PLC0415 - optional dependency, imported lazily on purpose
     except Exception:  # any import-time failure means "no cuDNN here"
         return None
+    return cudnn
+
+
+class FrontendMissing(ImportError):
+    """A call that builds or runs cuDNN graphs in a process where the cuDNN frontend does not
+    import (the CPU set-up leaves it out)."""
+
+
+#: What brings the frontend: the GPU extras (``cu12``/``cu13``) hold it too.
+FRONTEND_EXTRA = 'pip install -e ".[frontend]"'
+
+
+def frontend(caller: str):
+    """The ``cudnn`` frontend module for ``caller`` (the function that needs it, named in the
+    error). Raises :class:`FrontendMissing` when it does not import, rather than letting
+    ``None`` fail later with an ``AttributeError``."""
+    cudnn = cudnn_module()
+    if cudnn is None:
+        raise FrontendMissing(f"{caller}: the cuDNN frontend (nvidia-cudnn-frontend) does not import here; "
+                              f"{FRONTEND_EXTRA} installs it (on a GPU, the cu12/cu13 extra does)")
     return cudnn
 
 
@@ -106,7 +127,7 @@ def route(tensor: torch.Tensor) -> str | None:
 
 def torch_to_cudnn_dtype(dtype: torch.dtype):
     """Map a torch dtype to the frontend's ``cudnn.data_type``."""
-    cudnn = cudnn_module()
+    cudnn = frontend("cudnorm._runtime.torch_to_cudnn_dtype")
     table = {
         torch.float16: cudnn.data_type.HALF,
         torch.bfloat16: cudnn.data_type.BFLOAT16,
@@ -122,8 +143,9 @@ class _DeviceState:
     __slots__ = ("handle", "backend", "stream", "workspaces", "rounding")
 
     def __init__(self, device_index: int) -> None:
+        cudnn = frontend("cudnorm._runtime.handle")
         with torch.cuda.device(device_index):
-            self.handle = cudnn_module().create_handle()
+            self.handle = cudnn.create_handle()
         self.backend = self.handle.backend_handle  # the cudnnHandle_t the raw launcher takes
         self.stream = None
         self.workspaces: dict[int, tuple[torch.Tensor, int]] = {}  # stream -> (buffer, bytes)
@@ -166,7 +188,7 @@ def _bound(device_index: int) -> _DeviceState:
     if state is None:
         state = _handles.by_device[device_index] = _DeviceState(device_index)
     if state.stream != stream:
-        cudnn_module().set_stream(handle=state.handle, stream=stream)
+        frontend("cudnorm._runtime.handle").set_stream(handle=state.handle, stream=stream)
         state.stream = stream
     return state
 

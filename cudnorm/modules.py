@@ -137,6 +137,9 @@ class AdaLayerNormZero(torch.nn.Module):
     ``(norm(x) * (1 + scale_msa) + shift_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)``,
     the chunks ``[B, D]``, as ``diffusers.models.normalization.AdaLayerNormZero`` does.
     The linear layer starts at zero (DiT's init), so the block starts as the identity.
+
+    ``cond_dim`` is the width of ``emb``; left out, it is ``dim`` (DiT's conditioning, the sum
+    of the timestep and label embeddings, has the model's width).
     """
 
     @_options_by_keyword("embedding_dim, num_embeddings, ...")

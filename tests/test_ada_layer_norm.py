@@ -321,6 +321,15 @@ def _diffusers_zero_reference(x, emb, weight, bias):
     return (_dit_formula(x, scale_msa, shift_msa),) + tuple(chunks[2:])
 
 
+def test_ada_layer_norm_zero_conditioning_defaults_to_the_width():
+    """Without ``cond_dim`` the conditioning has ``dim`` features, as its docstring says."""
+    module = cudnorm.AdaLayerNormZero(16)
+    x = torch.randn(2, 5, 16)
+    assert module(x, torch.randn(2, 16))[0].shape == x.shape
+    with pytest.raises(ValueError, match=r"AdaLayerNormZero.*emb.*expected \[B, cond_dim\] = \[2, 16\]"):
+        module(x, torch.randn(2, 8))
+
+
 def test_ada_layer_norm_zero_loads_diffusers_state_dict():
     dim, cond = 16, 12
     state = {"linear.weight": 0.1 * torch.randn(6 * dim, cond), "linear.bias": 0.1 * torch.randn(6 * dim)}

@@ -166,8 +166,11 @@ def test_fuzz_no_traceback_reaches_the_user(no_real_work, odd_paths, tmp_path, c
             wrong.append((argv, f"traceback: {type(exc).__name__}: {exc}"[:300]))
             continue
         lines = err.strip().splitlines()
+        blamed = f"cudnorm {argv[0]}: " if argv and argv[0] in cli.SUBCOMMANDS else "cudnorm: "
         if status != 2 or len(lines) != 1 or "error: argument" not in lines[0] and "arguments" not in lines[0]:
             wrong.append((argv, f"status {status}, stderr {err[-300:]!r}"))
+        elif not lines[0].startswith(blamed) or lines[0].count("(see ") != 1:
+            wrong.append((argv, f"not one line of {blamed!r} with one '(see ...)': {lines[0][:300]!r}"))
         elif "Traceback" in out + err:
             wrong.append((argv, "a traceback was printed"))
     assert len(cases) > 250
@@ -272,3 +275,21 @@ def test_the_console_command_prints_no_traceback(tmp_path):
         done = subprocess.run([sys.executable, "-m", "cudnorm.cli", *argv], capture_output=True, text=True,
                               env=env, timeout=300)
         assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_console_script_answers_version_without_importing_torch():
+    """The entry point pyproject.toml names prints the version without importing the library
+    (torch took 2-3 s of ``cudnorm --version``) and hands every other command line to
+    :func:`cudnorm.cli.main`."""
+    tomllib = pytest.importorskip("tomllib")
+    entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["cudnorm"]
+    module, _, function = entry.partition(":")
+    probe = (f"import sys; from {module} import {function} as main; status = main(sys.argv[1:]); "
+             "print('torch' in sys.modules, status)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", probe, "--version"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.stdout == f"cudnorm {cudnorm.__version__}\nFalse 0\n", done.stderr
+    done = subprocess.run([sys.executable, "-c", probe, "check", "--bogus"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("cudnorm check: error: unrecognized arguments: --bogus")

@@ -12,6 +12,7 @@ that it does. A block that stops running fails its page's test, naming the block
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import re
@@ -51,7 +52,7 @@ def _groups():
 
 def test_every_block_has_a_known_language_and_place():
     """python/bash run, text is output; each runs here or in .ci/run, which runs the README's
-    set-up and test blocks as written (through tools/doc_blocks.py)."""
+    set-up and test blocks as written (through tools/doc_blocks.py), without the frontend."""
     wrong = [f"{b.where}: {b.language!r} block, kind {b.kind!r}" for b in BLOCKS
              if b.language not in doc_blocks.LANGUAGES or (b.language == "text") != (b.kind == "output")
              or b.kind not in (*doc_blocks.KINDS, "output")]
@@ -60,18 +61,47 @@ def test_every_block_has_a_known_language_and_place():
     for kind in ("ci-setup", "ci-tests"):
         assert [b for b in BLOCKS if b.kind == kind and b.page == "README.md"], f"README.md has no {kind} block"
         assert f"tools/doc_blocks.py {kind})" in ci, f".ci/run does not run the {kind} blocks"
+    # the README's tiers run as its reader has them (no frontend); then what needs the frontend
+    frontend = ci.index('pip install -q -e ".[dev,frontend]"')
+    assert ci.index("tools/doc_blocks.py ci-tests)") < frontend < ci.index("python3 -m pytest -m frontend"), \
+        ".ci/run must run the README's tests before it installs the frontend, and the frontend tests after"
+
+
+def source_files(root: Path) -> list[str]:
+    """The source tree's files under ``root``, relative to it: git's tracked files in a git
+    checkout; in a tree without git (a release tarball, ``git archive``), every file but what
+    its .gitignore names (caches, build outputs)."""
+    if (root / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+        return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
+    ignore = root / ".gitignore"
+    patterns = [line.strip().strip("/") for line in ignore.read_text().splitlines()
+                if line.strip() and not line.startswith("#")] if ignore.exists() else []
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if not any(fnmatch.fnmatch(d, p) for p in patterns)]
+        found += [os.path.relpath(os.path.join(directory, f), root) for f in files
+                  if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    return sorted(Path(name).as_posix() for name in found)
+
+
+def test_the_source_tree_is_listed_without_git(tmp_path):
+    for name in ("README.md", "cudnorm/a.py", "cudnorm/__pycache__/a.cpython-311.pyc", "cudnorm.egg-info/PKG-INFO",
+                 "docs/b.md", ".pytest_cache/v/x"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".gitignore").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n*.egg-info/\n")
+    assert source_files(tmp_path) == [".gitignore", "README.md", "cudnorm/a.py", "docs/b.md"]
 
 
 @pytest.fixture
 def checkout(tmp_path):
-    """A copy of the checkout's tracked files (blocks write files, relative to it) and the
-    environment its blocks run in."""
+    """A copy of the source tree (blocks write files, relative to it) and the environment its
+    blocks run in."""
     copy = tmp_path / "checkout"
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, listed.decode().split("\0")):
-        if (ROOT / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, copy / name)
+    for name in source_files(ROOT):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, copy / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, command in (("cudnorm", f'exec "{sys.executable}" -m cudnorm.cli "$@"'),
@@ -81,7 +111,10 @@ def checkout(tmp_path):
     # the copy first (its cudnorm is imported), then what the caller's PYTHONPATH held (where
     # packages come from it, as on the GPU machines: the cuDNN frontend)
     path = os.pathsep.join(filter(None, (str(copy), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path,
+    # then the scripts of this interpreter's environment (torchrun, mkdocs, jupyter), also when
+    # it runs without its environment activated
+    scripts = os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]))
+    env = {**os.environ, "PATH": scripts, "PYTHONPATH": path,
            "MPLBACKEND": "Agg", "CUDNORM_PLAN_STORE_DIR": str(tmp_path / "plans"), "OMP_NUM_THREADS": "1"}
     return copy, env
 

@@ -12,7 +12,8 @@ import cudnorm
 from cudnorm import _graphs
 from cudnorm._spec import NormSpec
 
-cudnn = pytest.importorskip("cudnn")
+cudnn = pytest.importorskip("cudnn", reason="needs the cuDNN frontend: pip install -e '.[frontend]'")
+pytestmark = pytest.mark.frontend
 
 NODE = {("layer_norm", "bwd"): "LAYERNORM_BWD", ("rms_norm", "bwd"): "RMSNORM_BWD",
         ("ada_layer_norm", "bwd"): "ADALAYERNORM_BWD", "layer_norm": "LAYERNORM", "rms_norm": "RMSNORM",

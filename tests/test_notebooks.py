@@ -118,14 +118,47 @@ def test_execute_stores_outputs_with_the_device_and_versions_first(tmp_path):
         assert refused.returncode == 2 and "no CUDA device" in refused.stderr
 
 
+# Notebooks with cells that run only where the cuDNN frontend imports (the README's CPU set-up
+# leaves it out): marked ``frontend``, so .ci/run runs them again once it has installed it.
+USES_FRONTEND = {"20_adaptive_layer_norm"}
+
+
+def _notebook_params(paths):
+    return [pytest.param(p, id=p.stem, marks=[pytest.mark.frontend] if p.stem in USES_FRONTEND else [])
+            for p in paths]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", _notebook_params(NOTEBOOKS))
 def test_notebook_runs(path, monkeypatch):
+    _execute(path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in USES_FRONTEND], ids=lambda p: p.stem)
+def test_notebook_runs_without_the_frontend(path, monkeypatch, tmp_path):
+    """Where the frontend is installed, the notebook runs again with it hidden (a ``cudnn``
+    package first on the kernel's path that fails to import, as a missing one does); each cell
+    that needs it says so in one line naming the extra."""
+    if importlib.util.find_spec("cudnn") is None:
+        pytest.skip("the cuDNN frontend is not installed: test_notebook_runs ran this notebook without it")
+    (tmp_path / "cudnn").mkdir()
+    (tmp_path / "cudnn" / "__init__.py").write_text("raise ImportError('hidden by test_notebooks.py')\n")
+    nb = _execute(path, monkeypatch, first_on_path=tmp_path)
+    printed = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
+    said = [line for line in printed.splitlines() if line.startswith("no cuDNN frontend: ")]
+    assert said and all(line.endswith('pip install -e ".[frontend]" brings it') for line in said), printed
+
+
+def _execute(path, monkeypatch, first_on_path=None):
+    """The notebook at ``path`` run top to bottom against this checkout (``first_on_path``
+    before it on the kernel's path); fails naming the cell that stopped."""
     nbformat = _require("nbformat")
     nbclient = _require("nbclient")
     _require("ipykernel")
     # the kernel inherits this process's environment: make it import this checkout
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [first_on_path and str(first_on_path), str(ROOT),
+                                                                   os.environ.get("PYTHONPATH")])))
     # headless plotting in the kernel and its subprocesses (the notebooks display PNG files)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
@@ -136,3 +169,4 @@ def test_notebook_runs(path, monkeypatch):
     except nbclient.exceptions.CellExecutionError as exc:
         # IPython colours its tracebacks; strip the escape codes for a readable report
         pytest.fail(f"{path.name} failed:\n{ANSI_ESCAPE.sub('', str(exc))}")
+    return nb

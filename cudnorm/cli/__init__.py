@@ -9,7 +9,9 @@
 
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> int``: it
 parses, calls the library, prints and picks the exit status. The library never imports
-this package. ``python -m cudnorm.cli`` is the same command without the console script.
+this package. The console script is ``cudnorm_console.main`` (beside the package, so that
+``cudnorm --version`` does not import torch), which hands everything else to :func:`main`;
+``python -m cudnorm.cli`` is the same command without the console script.
 
 Exit statuses: 0 done; 1 a check or benchmark row failed, or a file could not be read or
 written (one line naming the path); 2 bad input (one line naming the argument, as argparse
@@ -49,11 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="cudnorm", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"cudnorm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_run=module.run)
-        module.add_arguments(p)
-    args = parser.parse_args(argv)
+        commands[name] = sub.add_parser(name, help=help_text, description=help_text)
+        commands[name].set_defaults(_run=module.run)
+        module.add_arguments(commands[name])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse's parse_args reports a subcommand's unknown arguments as the top parser's
+        # ("cudnorm: error"); name the subcommand they were given to
+        given = sys.argv[1:] if argv is None else argv
+        owner = parser if given.index(args.command) > 0 else commands[args.command]
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"{parser.prog} {args.command}"
     try:
         return int(args._run(args) or 0)

@@ -42,7 +42,7 @@ def run(args) -> int:
                      for p in PRESETS.values()], ("preset", "model", "default seq", "norm layers"))
         return 0
     if (args.spec_file is None) == (args.preset is None):
-        raise _args.UsageError("spec_file/--preset", "give a spec file or --preset NAME (see --list-presets)")
+        raise _args.UsageError("spec_file/--preset", "give a spec file or --preset NAME (--list-presets lists them)")
     if args.spec_file is not None:
         try:  # the file's contents are the input here: a damaged or foreign file is a usage error
             source = read_spec_file(args.spec_file)

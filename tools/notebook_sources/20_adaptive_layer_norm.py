@@ -16,7 +16,8 @@
 # (training phase, which also produces the statistics) and backward on a
 # $(4, 1024, 768)$ fp16 input, each checked against PyTorch. It does it twice: through
 # cudnorm's functional API, then one level down through the graph-builder layer that the
-# functional API uses.
+# functional API uses. (The graph-builder cells need the cuDNN frontend; without it, as in
+# the README's CPU set-up, each says in one line what it would show and the rest runs.)
 
 # %%
 import torch
@@ -31,6 +32,10 @@ batch, seq, dim = 4, 1024, 768
 eps = 1e-3  # large enough to matter in the check of rstd
 dtype = torch.float16
 print(device, "->", cudnorm.serving_path("ada_layer_norm", torch.empty(0, device=device, dtype=dtype)))
+info = cudnorm.info()
+has_frontend = info["cudnn_frontend"] is not None  # it describes cuDNN graphs (on a CPU too)
+NO_FRONTEND = ("no cuDNN frontend: this cell would print the {} graph's nodes and tensors; "
+               'pip install -e ".[frontend]" brings it')
 
 # %% [markdown]
 # ### Tolerances
@@ -118,11 +123,14 @@ print("dx, dscale, dshift match PyTorch:", tuple(dx.shape), tuple(dscale.shape),
 device_index = torch.cuda.current_device() if device == "cuda" else 0
 fwd_spec = NormSpec("ada_layer_norm", "train", rows=batch * seq, cols=dim, x_dtype=dtype, scale_dtype=dtype,
                     device_index=device_index, batch=batch)
-fwd_graph, fwd_uids = _graphs.build_ir(fwd_spec)
-ir = fwd_graph.inspect()
-print("nodes:", [(n["name"], n["type"]) for n in ir["nodes"]])
-for name, t in ir["tensors"].items():
-    print(f"  {name:<20} dims {t['dim']!s:<18} {t['dtype']:<16} uid {t['uid']}")
+if has_frontend:
+    fwd_graph, fwd_uids = _graphs.build_ir(fwd_spec)
+    ir = fwd_graph.inspect()
+    print("nodes:", [(n["name"], n["type"]) for n in ir["nodes"]])
+    for name, t in ir["tensors"].items():
+        print(f"  {name:<20} dims {t['dim']!s:<18} {t['dtype']:<16} uid {t['uid']}")
+else:
+    print(NO_FRONTEND.format("forward"))
 print("Plan.run buffer order:", _graphs.roles(fwd_spec))
 
 # %% [markdown]
@@ -131,7 +139,7 @@ print("Plan.run buffer order:", _graphs.roles(fwd_spec))
 # needs a GPU, which is why the CPU path runs PyTorch's kernels.)
 
 # %%
-if device == "cuda":
+if info["cudnn_available"]:
     plan = _cache.get_plan(fwd_spec)
     assert plan is not None, "cuDNN declined the graph"
     print("plan:", plan.plan_name, f"(built in {plan.build_seconds:.2f} s)")
@@ -148,7 +156,7 @@ if device == "cuda":
     torch.testing.assert_close(rstd_graph, rstd_ref, atol=1e-5, rtol=1e-5)
     print("graph forward matches PyTorch")
 else:
-    print("no GPU: the graph was described (above) but not built")
+    print(f"cuDNN cannot run here ({info['cudnn_reason']}): the graph was not built")
 
 # %% [markdown]
 # ### Backward
@@ -161,11 +169,14 @@ else:
 # %%
 bwd_spec = NormSpec("ada_layer_norm", "bwd", rows=batch * seq, cols=dim, x_dtype=dtype, scale_dtype=dtype,
                     device_index=device_index, batch=batch)
-bwd_graph, _ = _graphs.build_ir(bwd_spec)
-print("nodes:", [(n["name"], n["type"]) for n in bwd_graph.inspect()["nodes"]])
+if has_frontend:
+    bwd_graph, _ = _graphs.build_ir(bwd_spec)
+    print("nodes:", [(n["name"], n["type"]) for n in bwd_graph.inspect()["nodes"]])
+else:
+    print(NO_FRONTEND.format("backward"))
 print("Plan.run buffer order:", _graphs.roles(bwd_spec))
 
-if device == "cuda":
+if info["cudnn_available"]:
     bwd_plan = _cache.get_plan(bwd_spec)
     assert bwd_plan is not None, "cuDNN declined the graph"
     dx_graph = torch.empty_like(x2)
@@ -180,4 +191,4 @@ if device == "cuda":
     torch.testing.assert_close(dshift_graph.view_as(dshift_ref), dshift_ref, **token_sum_tolerance(dshift_ref))
     print("graph backward matches PyTorch")
 else:
-    print("no GPU: the graph was described (above) but not built")
+    print(f"cuDNN cannot run here ({info['cudnn_reason']}): the graph was not built")
