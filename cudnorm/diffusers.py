@@ -109,7 +109,12 @@ def _tensor(cls: str, arg: str, value) -> torch.Tensor:
     return value
 
 
+_INPUT_DTYPES = frozenset(_checks.INPUT_DTYPES)
+
+
 def _input(cls: str, arg: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.dtype in _INPUT_DTYPES:  # every call: no message to build
+        return value
     return _checks.check_tensor(f"diffusers.{cls}", arg, value, dtypes=_checks.INPUT_DTYPES)
 
 
@@ -120,8 +125,11 @@ def _project(cls: str, arg: str, linear: torch.nn.Module, silu: torch.nn.Module,
     linear's dtype after the SiLU (a no-op wherever diffusers' own call runs, and under
     autocast the linear casts again)."""
     h = silu(_input(cls, arg, emb))
-    weight = getattr(linear, "weight", None)  # a quantized linear keeps its own input rule
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and h.dtype != weight.dtype:
+    # the registered weight without nn.Module.__getattr__'s detour (every call); else an
+    # attribute such as a LoRA wrapper's property. A quantized linear keeps its own input rule
+    params = linear._parameters
+    weight = params["weight"] if "weight" in params else getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor) and h.dtype is not weight.dtype and weight.is_floating_point():
         h = h.to(weight.dtype)
     return linear(h)
 
@@ -167,8 +175,19 @@ def _chunks(cls: str, module: torch.nn.Module, x, x_arg: str, emb, count: int) -
 
 
 def _modulate(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``norm(x) * (1 + scale) + shift`` for ``[B, D]`` chunks, one fused op."""
-    return _modulated_layer_norm(x, scale[:, None], shift[:, None], norm.eps, norm.weight, norm.bias)
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` for ``scale``/``shift`` ``[B, D]``
+    chunks of one projection, one fused op.
+
+    DiT's, SD3's and Flux's call (``x [B, S, D]`` of the chunks' dtype, a non-affine norm) goes
+    straight to :func:`ada_layer_norm`, which takes ``[B, D]`` chunks as they are: this runs in
+    every block of a host-bound training step, so it does no more than diffusers' forward
+    (reading the norm's attributes) plus that one call. Any other call:
+    :func:`_modulated_layer_norm`."""
+    weight, bias = norm.weight, norm.bias
+    if (weight is None and bias is None and x.dtype is scale.dtype and x.dim() == 3
+            and scale.shape[0] == x.shape[0] and scale.shape[1] == x.shape[2] and shift.shape == scale.shape):
+        return ada_layer_norm(x, scale, shift, norm.eps, one_plus_scale=True)
+    return _modulated_layer_norm(x, scale[:, None], shift[:, None], norm.eps, weight, bias)
 
 
 def _modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, norm: torch.nn.RMSNorm
@@ -401,7 +420,7 @@ class AdaLayerNormContinuous(torch.nn.Module):
         norm = self.norm  # an RMSNorm: this class's, or diffusers' own in a patched diffusers module
         if not isinstance(norm, torch.nn.LayerNorm):
             return _modulated_rms_norm(x, scale[:, None, :], shift[:, None, :], norm)
-        return _modulated_layer_norm(x, scale[:, None, :], shift[:, None, :], norm.eps, norm.weight, norm.bias)
+        return _modulate(norm, x, scale, shift)
 
 
 class AdaLayerNorm(torch.nn.Module):

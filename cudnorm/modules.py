@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
 
@@ -34,16 +35,23 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        weight, bias = self.weight, self.bias
+        weight, bias, eps = self.weight, self.bias, self.eps
         if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ applies the same policy
-            return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
+            return layer_norm(input, self.normalized_shape, weight, bias, eps)
         if _policy.torch_serves(input, weight, bias):
             # PyTorch's op, as nn.LayerNorm runs it, minus F.layer_norm's Python wrapper (small
-            # models' steps are host-bound); checked first, so a mistake raises cudnorm's error
-            # whichever kernels serve the call
-            _checks.norm_call("layer_norm", input, self.normalized_shape, {"weight": weight, "bias": bias}, self.eps)
-            return torch.layer_norm(input, self.normalized_shape, weight, bias, self.eps)
-        return layer_norm(input, self.normalized_shape, weight, bias, self.eps)
+            # models' steps are host-bound). A mistake raises cudnorm's error whichever kernels
+            # serve the call: PyTorch's op refuses every mistake cudnorm's checks find but an eps
+            # (negative, not finite, not a float: checked first), so they run only where it raised
+            # and the common call pays no second check
+            if type(eps) is float and 0.0 <= eps < math.inf:
+                try:
+                    return torch.layer_norm(input, self.normalized_shape, weight, bias, eps)
+                except Exception:  # cudnorm's checks name the mistake; PyTorch's error where they find none
+                    pass
+            _checks.norm_call("layer_norm", input, self.normalized_shape, {"weight": weight, "bias": bias}, eps)
+            return torch.layer_norm(input, self.normalized_shape, weight, bias, eps)
+        return layer_norm(input, self.normalized_shape, weight, bias, eps)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -55,7 +63,12 @@ class RMSNorm(torch.nn.RMSNorm):
         weight, eps = self.weight, self.eps
         if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ checks it, same policy
             return rms_norm(input, self.normalized_shape, weight, eps)
-        if _policy.torch_serves(input, weight):  # PyTorch's op, checked first, as in LayerNorm.forward
+        if _policy.torch_serves(input, weight):  # PyTorch's op, checked as in LayerNorm.forward
+            if eps is None or (type(eps) is float and 0.0 <= eps < math.inf):
+                try:
+                    return torch.rms_norm(input, self.normalized_shape, weight, eps)
+                except Exception:
+                    pass
             # eps=None is PyTorch's default, the dtype's machine epsilon: any valid eps checks the rest
             _checks.norm_call("rms_norm", input, self.normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
             return torch.rms_norm(input, self.normalized_shape, weight, eps)

@@ -60,9 +60,17 @@ def _param_for(input: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor 
 
 
 def _eps(module: torch.nn.Module):
-    """The eps a norm's forward adds: transformers' ``variance_epsilon``, else ``eps``."""
-    eps = getattr(module, "variance_epsilon", None)
-    return module.eps if eps is None else eps
+    """The eps a norm's forward adds: transformers' ``variance_epsilon``, else ``eps``. Both are
+    plain attributes, read from the instance's dict first: a name the module lacks costs
+    ``nn.Module.__getattr__`` an exception with its message (several us, on every call)."""
+    attrs = module.__dict__
+    eps = attrs.get("variance_epsilon")
+    if eps is None:
+        eps = attrs.get("eps")
+        if eps is None:
+            eps = getattr(module, "variance_epsilon", None)
+            return module.eps if eps is None else eps
+    return eps
 
 
 def _llama_rms_norm(self, input: torch.Tensor) -> torch.Tensor:
@@ -289,25 +297,29 @@ def _why_not_instance(module: torch.nn.Module, formula: Formula) -> str | None:
 
 # ---------------------------------------------------------------- the patched classes
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _call_observed(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` does more than its forward: hooks on it, an instance forward
-    (accelerate's offloading hook), or global module hooks."""
-    module_hooks = torch.nn.modules.module
-    return (any(getattr(module, name) for name in _HOOK_DICTS) or "forward" in vars(module)
-            or bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
-                    or module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks))
+# torch's module-global hook registries (dicts mutated in place, never rebound): module calls
+# run their hooks while any holds one
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 def _forward_keeping_child_calls(formula: Formula) -> Callable:
     """``formula.forward``, or the class's original forward when a child it reads instead of
-    calling is observed (its hooks must fire; an offloading hook must load its weights)."""
+    calling is observed: hooks on it, an instance ``forward`` (accelerate's offloading hook,
+    which must load its weights) or global module hooks, whose calls must happen as before.
+    The test is ``nn.Module.__call__``'s own (attribute and dict reads, no calls): it runs on
+    every call of every patched AdaLN module, and host-bound steps pay each microsecond."""
     fused, reads = formula.forward, formula.reads
+    forward_hooks, forward_pre_hooks, backward_hooks, backward_pre_hooks = _GLOBAL_HOOKS
 
     def forward(self, *args, **kwargs):
-        if any(_call_observed(getattr(self, name)) for name in reads):
+        children = self._modules
+        for name in reads:
+            child = children[name]
+            if (child._forward_hooks or child._forward_pre_hooks or child._backward_hooks
+                    or child._backward_pre_hooks or "forward" in child.__dict__):
+                return self._cudnorm_unpatched.forward(self, *args, **kwargs)
+        if forward_hooks or forward_pre_hooks or backward_hooks or backward_pre_hooks:
             return self._cudnorm_unpatched.forward(self, *args, **kwargs)
         return fused(self, *args, **kwargs)
 

@@ -243,3 +243,23 @@ def test_step_kernels_script_compares_each_kernel_of_a_step(tmp_path):
     assert float(mm["torch_ms"]) > 0 and int(mm["torch_launches"]) == int(mm["cudnorm_launches"]) > 0
     assert all(float(r["torch_step_ms"]) > 0 and float(r["cudnorm_step_ms"]) > 0 for r in rows)
     assert "dit-64-b2-s16:train: step ms torch" in done.stdout
+
+
+def test_patched_host_script_times_every_class_beside_the_unpatched_module(tmp_path):
+    """``benchmarks/patched_host.py`` (the patched norms' host time, issue 42): on the CPU a row
+    per norm class, direction and provider, then the DiT step's, the unpatched module's the
+    reference (its GPU figures come from device runs)."""
+    out = tmp_path / "patched_host.csv"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "patched_host.py"), "--passes", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(out.open()))
+    steps = [r for r in rows if r["section"] == "step"]
+    assert [r["provider"] for r in steps] == ["unpatched", "patched", "unpatched-again"]
+    assert all(float(r["value"]) > 0 and r["unit"] == "ms" for r in steps)
+    rows = [r for r in rows if r["section"] == "per_call"]
+    cases = {r["case"] for r in rows}
+    assert {"AdaLayerNormZero (DiT, with emb)", "SD35AdaLayerNormZeroX", "diffusers RMSNorm"} <= cases
+    assert len(rows) == len(cases) * 3 * 3  # directions x providers
+    assert all(float(r["value"]) > 0 and r["unit"] == "us" for r in rows)
+    assert all(float(r["vs_unpatched"]) == 1.0 for r in rows if r["provider"] == "unpatched")
