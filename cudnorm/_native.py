@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording, _rows,
+from . import (_ada_kernel, _ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording, _rows,
                _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
@@ -55,7 +55,7 @@ CFLAGS = ("-O2", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 LDFLAGS = ("-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed")
 
 # How a call signature is served: Mode in cudnorm/csrc/native.h
-SINGLE, CHUNKED, PER_SAMPLE, ATEN, PYTHON = range(5)
+SINGLE, CHUNKED, PER_SAMPLE, ATEN, PYTHON, KERNEL = range(6)
 # c10::ScalarType numbers of the dtypes that cross the boundary
 _CODES = {torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bfloat16: 15}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
@@ -388,13 +388,14 @@ def execute_floor_us(plan: _graphs.Plan, reps: int = 200) -> float:
 # ---------------------------------------------------------------- recipes
 
 def _recipe(mode: int, param_dtype: torch.dtype = torch.float32, *, fused: bool = False, overlap: int = 0,
-            launches=(), cacheable: bool = True) -> list[int]:
+            launches=(), cacheable: bool = True, kernel: tuple[int, ...] = ()) -> list[int]:
     """The int list C++ parses (recipes.cpp): cacheable, mode, param dtype, fused add, overlap,
-    launch count, then (plan id, first row, rows) per launch."""
+    launch count, then (plan id, first row, rows) per launch; a ``KERNEL`` recipe ends with its
+    kernel's launch (:func:`cudnorm._ada_kernel.native_launch`)."""
     out = [int(cacheable), mode, _CODES[param_dtype], int(fused), overlap, len(launches)]
     for plan, start, rows in launches:
         out += [plan_id(plan), start, rows]
-    return out
+    return out + list(kernel)
 
 
 def _stable_rows() -> bool:
@@ -481,8 +482,9 @@ def _resolve_ada_backward(x2: torch.Tensor, ints, floats) -> list[int]:
     for name in _ada_strategies.BACKWARD_ORDER[_ada_strategies.backward_strategy(b, rows // b, d, x2.dtype)]:
         strategy = _ada_strategies.BACKWARDS[name]
         plan = _ada_strategies.plan_for(strategy.spec(x2, b, scale_dtype, x2.device.index))
-        if isinstance(plan, _ada_strategies.KernelSpec):  # cudnorm's own kernel: launched from Python
-            return _recipe(PYTHON)
+        if isinstance(plan, _ada_strategies.KernelSpec):  # cudnorm's own kernel, launched by C++ where it can
+            kernel = _ada_kernel.native_launch(x2, b, scale_dtype, bool(_dit))
+            return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, scale_dtype, kernel=kernel)
         if plan is not None:
             return _recipe(SINGLE if name == "cudnn" else PER_SAMPLE, scale_dtype,
                            launches=[(plan, 0, plan.spec.rows)])

@@ -31,10 +31,11 @@ def resolve(monkeypatch):
     def run(kind, x, ints, floats=(0.0,)):
         out = _native.resolve(kind, x, list(ints), list(floats))
         cacheable, mode, dtype_code, fused, overlap, count, *launches = out
-        assert len(launches) == 3 * count
+        kernel = launches[3 * count:]  # a KERNEL recipe's launch (recipes.cpp parses 5 ints)
+        assert len(kernel) == (5 if mode == _native.KERNEL else 0)
         return {"cacheable": bool(cacheable), "mode": mode, "dtype": _native._DTYPES[dtype_code],
                 "fused": bool(fused), "overlap": overlap,
-                "launches": [tuple(launches[3 * k:3 * k + 3]) for k in range(count)]}
+                "launches": [tuple(launches[3 * k:3 * k + 3]) for k in range(count)], "kernel": tuple(kernel)}
 
     yield run
     emu.uninstall(saved)
@@ -99,17 +100,24 @@ def test_residual_add_is_fused_up_to_the_measured_width(resolve):
     assert recipe["mode"] == _native.SINGLE and not recipe["fused"]
 
 
-@pytest.mark.parametrize("batch, kernel, backward", [
-    (2, True, _native.PYTHON),  # the fused kernel: launched from Python, one call for the batch
-    (16, True, _native.PYTHON),
-    (16, False, _native.PER_SAMPLE),  # no Triton: the per-sample LayerNorm backward graph
-    (1, True, _native.PER_SAMPLE)])  # one sample: one LayerNorm backward launch
-def test_adaln_strategies_follow_the_rules(resolve, monkeypatch, batch, kernel, backward):
+LAUNCH = (0x7F00, 256, 0, 4, 2)  # a compiled kernel's (function, threads, shared, chunks, scratch)
+
+
+@pytest.mark.parametrize("batch, kernel, launch, backward", [
+    (2, True, LAUNCH, _native.KERNEL),  # the fused kernel, launched by C++: one call for the batch
+    (16, True, LAUNCH, _native.KERNEL),
+    (16, True, None, _native.PYTHON),  # a compiled kernel C++ cannot launch plainly: Python launches it
+    (16, False, LAUNCH, _native.PER_SAMPLE),  # no Triton: the per-sample LayerNorm backward graph
+    (1, True, LAUNCH, _native.PER_SAMPLE)])  # one sample: one LayerNorm backward launch
+def test_adaln_strategies_follow_the_rules(resolve, monkeypatch, batch, kernel, launch, backward):
     monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: kernel)
+    monkeypatch.setattr(_ada_kernel, "native_launch", lambda x2, b, dtype, dit: launch)
     x2 = torch.randn(batch * 256, 64, dtype=BF16)
     forward = resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])
     assert forward["mode"] == _native.SINGLE
-    assert resolve("ada_bwd", x2, [batch, _code(BF16), 1], [])["mode"] == backward
+    recipe = resolve("ada_bwd", x2, [batch, _code(BF16), 1], [])
+    assert recipe["mode"] == backward
+    assert recipe["kernel"] == (LAUNCH if backward == _native.KERNEL else ())
     cudnorm.config(ada_forward="torch")
     assert resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])["mode"] == _native.PYTHON
 

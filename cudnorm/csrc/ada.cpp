@@ -36,6 +36,35 @@ Slot at_step(const void* address, int64_t step) {
   return Slot{reinterpret_cast<uintptr_t>(address), step, Slot::Rows, {}};
 }
 
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The fused backward (cudnorm._ada_kernel): one kernel writes dx and each program's partial
+// sums [2, B, chunks, D] (fp32), one sum gives dscale/dshift. Undefined tensors when an
+// argument is not 16-byte aligned (the caller then takes Python's launch).
+std::tuple<Tensor, Tensor, Tensor> fused_backward(const Recipe& recipe, const Tensor& dy2, const Tensor& x2, int64_t b,
+                                                  const Tensor& scale_in, const Tensor& stats,
+                                                  at::ScalarType shift_dtype) {
+  const int64_t rows = x2.size(0), d = x2.size(1), s = rows / b, chunks = recipe.kernel.chunks;
+  Tensor scale = scale_in.stride(-1) == 1 ? scale_in : scale_in.contiguous();
+  if (!(aligned16(x2) && aligned16(dy2) && aligned16(scale) && aligned16(stats))) return {};
+  Tensor dx = at::empty({rows, d}, x2.options());
+  Tensor partial = at::empty({2, b, chunks, d}, x2.options().dtype(kF32));
+  // the kernel's parameters: x, dy, scale, stats, dx, partial; seq, cols, x / scale / stats
+  // row strides, chunks, batch
+  launch_kernel(recipe.kernel, b * chunks,
+                {x2.data_ptr(), dy2.data_ptr(), scale.data_ptr(), stats.data_ptr(), dx.data_ptr(), partial.data_ptr()},
+                {static_cast<int32_t>(s), static_cast<int32_t>(d), static_cast<int32_t>(x2.stride(0)),
+                 static_cast<int32_t>(scale.size(0) > 1 ? scale.stride(0) : d), static_cast<int32_t>(stats.stride(0)),
+                 static_cast<int32_t>(chunks), static_cast<int32_t>(b)});
+  Tensor sums = chunks == 1 ? partial.select(2, 0) : partial.sum(2);
+  const auto scale_dtype = scale_in.scalar_type();
+  if (scale_dtype == shift_dtype) {
+    if (shift_dtype != kF32) sums = sums.to(shift_dtype);  // one cast for both
+    return {dx.view({b, s, d}), sums[0], sums[1]};
+  }
+  return {dx.view({b, s, d}), sums[0].to(scale_dtype), sums[1].to(shift_dtype)};
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
@@ -96,6 +125,11 @@ std::tuple<Tensor, Tensor, Tensor> ada_layer_norm_bwd(const Tensor& dy, const Te
   RecipeRef recipe = recipe_for(Kind::AdaBackward, x2, {b, dtype_code(scale), one_plus_scale}, {});
   if (recipe->mode == Mode::Python) return python();
   Tensor dy2 = packed(dy.reshape({rows, d}));
+  if (recipe->mode == Mode::Kernel) {
+    auto out = fused_backward(*recipe, dy2, x2, b, scale, stats_in, shift_dtype);
+    if (std::get<0>(out).defined()) return out;
+    return python();  // an unaligned argument: the compiled kernel assumes 16-byte aligned pointers
+  }
   Tensor gain = make_gain(scale, one_plus_scale, scale.scalar_type());
   Tensor dx = at::empty({rows, d}, x.options());
   Tensor dscale = at::empty({b, d}, scale.options());

@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <dlfcn.h>
+
 #include <exception>
 #include <map>
 #include <mutex>
@@ -32,7 +34,39 @@ Tensor workspace_for(const Recipe& recipe, const at::Device& device) {
 
 void* address(uintptr_t base, int64_t offset) { return reinterpret_cast<void*>(base + offset); }
 
+// cuLaunchKernel from the CUDA driver, looked up once: the extension does not link libcuda
+// (the driver is loaded in every CUDA process already, by PyTorch).
+using LaunchKernelFn = int (*)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                               unsigned block_y, unsigned block_z, unsigned shared, void* stream, void** params,
+                               void** extra);
+
+LaunchKernelFn driver_launch() {
+  static LaunchKernelFn fn = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_LAZY);
+    return library == nullptr ? nullptr : reinterpret_cast<LaunchKernelFn>(dlsym(library, "cuLaunchKernel"));
+  }();
+  TORCH_CHECK(fn != nullptr, "cudnorm: cuLaunchKernel not found in libcuda.so.1");
+  return fn;
+}
+
 }  // namespace
+
+void launch_kernel(const KernelLaunch& kernel, int64_t blocks, const std::vector<const void*>& pointers,
+                   const std::vector<int32_t>& ints) {
+  std::vector<const void*> values(pointers);
+  values.resize(pointers.size() + kernel.scratch, nullptr);  // the compiler's scratch buffers: unused, null
+  std::vector<void*> params;
+  params.reserve(values.size() + ints.size());
+  for (size_t i = 0; i < pointers.size(); ++i) params.push_back(const_cast<const void**>(&values[i]));
+  for (const int32_t& value : ints) params.push_back(const_cast<int32_t*>(&value));
+  for (size_t i = pointers.size(); i < values.size(); ++i) params.push_back(const_cast<const void**>(&values[i]));
+  void* stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int status = driver_launch()(reinterpret_cast<void*>(kernel.function), static_cast<unsigned>(blocks), 1, 1,
+                                     static_cast<unsigned>(kernel.threads), 1, 1,
+                                     static_cast<unsigned>(kernel.shared), stream, params.data(), nullptr);
+  TORCH_CHECK(status == 0, "cudnorm: launching the fused AdaLN backward kernel failed (CUresult ", status, ")");
+}
 
 void launch_single(const Recipe& recipe, const std::vector<Slot>& slots) {
   const Plan& plan = *recipe.launches.at(0).plan;

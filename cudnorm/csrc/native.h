@@ -57,6 +57,17 @@ enum class Mode : int64_t {
   PerSample = 2,  // plans[0] launched once per AdaLN sample
   Aten = 3,       // PyTorch's fused kernel (LayerNorm / RMSNorm forward)
   Python = 4,     // cudnorm's Python implementation (cases no plan serves)
+  Kernel = 5,     // cudnorm's own compiled kernel (the fused AdaLN backward), launched by handle
+};
+
+// A kernel Python compiled (cudnorm._ada_kernel.native_launch) and C++ launches through the
+// CUDA driver: its function handle and launch configuration.
+struct KernelLaunch {
+  int64_t function = 0;  // CUfunction, loaded in the device's primary context
+  int64_t threads = 0;   // per block
+  int64_t shared = 0;    // dynamic shared memory bytes
+  int64_t chunks = 0;    // programs per AdaLN sample
+  int64_t scratch = 0;   // trailing scratch-pointer parameters the compiler added (passed null)
 };
 
 struct Launch {
@@ -71,6 +82,7 @@ struct Recipe {
   bool fused_add = false;                   // NormForward with a residual: the add runs inside the graph
   int64_t overlap = 0;                      // Chunked: rows of launches[0] that later launches rewrite
   std::vector<Launch> launches;
+  KernelLaunch kernel;                      // Kernel
 };
 using RecipeRef = std::shared_ptr<const Recipe>;
 
@@ -111,6 +123,9 @@ void launch_single(const Recipe& recipe, const std::vector<Slot>& slots);
 void launch_chunked(const Recipe& recipe, const std::vector<Slot>& slots, int64_t cols);
 // plans[0] launched `count` times, launch k on `slot.base + k * slot.row_bytes` of every slot
 void launch_per_sample(const Recipe& recipe, const std::vector<Slot>& slots, int64_t count);
+// recipe.kernel on `blocks` blocks with these pointer and int32 arguments, in its parameter order
+void launch_kernel(const KernelLaunch& kernel, int64_t blocks, const std::vector<const void*>& pointers,
+                   const std::vector<int32_t>& ints);
 
 // ---------------------------------------------------------------- helpers (launch.cpp)
 Tensor cudnn_rows(const Tensor& x);                  // [M, N] in a layout cuDNN reads (copy if needed)

@@ -74,7 +74,8 @@ c10::OperatorHandle python_op(const char* name) {
 }
 
 RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
-  // [cacheable, mode, param dtype, fused add, overlap, launches, (plan id, start, rows) per launch]
+  // [cacheable, mode, param dtype, fused add, overlap, launches, (plan id, start, rows) per launch],
+  // then for a Kernel recipe: function, threads, shared bytes, chunks, scratch parameters
   TORCH_CHECK(ints.size() >= 6, "cudnorm: malformed recipe from Python");
   auto recipe = std::make_shared<Recipe>();
   *cacheable = ints[0] != 0;
@@ -83,13 +84,18 @@ RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   recipe->fused_add = ints[3] != 0;
   recipe->overlap = ints[4];
   int64_t count = ints[5];
-  TORCH_CHECK(static_cast<int64_t>(ints.size()) == 6 + 3 * count, "cudnorm: malformed recipe from Python");
+  const int64_t extra = recipe->mode == Mode::Kernel ? 5 : 0;
+  TORCH_CHECK(static_cast<int64_t>(ints.size()) == 6 + 3 * count + extra, "cudnorm: malformed recipe from Python");
   for (int64_t k = 0; k < count; ++k) {
     Launch launch;
     launch.plan = find_plan(ints[6 + 3 * k]);
     launch.start = ints[7 + 3 * k];
     launch.rows = ints[8 + 3 * k];
     recipe->launches.push_back(std::move(launch));
+  }
+  if (extra) {
+    const int64_t* k = ints.data() + 6 + 3 * count;
+    recipe->kernel = KernelLaunch{k[0], k[1], k[2], k[3], k[4]};
   }
   return recipe;
 }
