@@ -46,10 +46,11 @@ def _kernel():
     except ImportError:
         return None
 
-    # the integers are never specialised (no "== 1" or "% 16" variants): C++ launches one
-    # compiled kernel for every value of them (native_launch)
-    @triton.jit(do_not_specialize=["seq", "cols", "x_row_stride", "scale_row_stride", "stats_row_stride", "chunks",
-                                   "batch"])
+    # counts that may be 1 are not specialised (a "== 1" variant would drop its parameter, and
+    # C++ fills a fixed list: native_launch); widths and strides are, since their "% 16"
+    # variants let loads vectorise (unspecialised, the kernel took 67 instead of 39-49 us at
+    # 32 x 256 x 1152 on a lent H100)
+    @triton.jit(do_not_specialize=["seq", "chunks", "batch"])
     def ada_layer_norm_backward(x_ptr, dy_ptr, scale_ptr, stats_ptr, dx_ptr, partial_ptr,
                                 seq, cols, x_row_stride, scale_row_stride, stats_row_stride,
                                 chunks, batch,
@@ -148,13 +149,16 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
 # chunks, batch)
 _NATIVE_PARAMETERS = 6 * ["*"] + 7 * ["i32"]
 _SCRATCH = ("global_scratch_size", "profile_scratch_size")
+# the scale row stride the natively launched kernel is compiled for: any multiple of this
+SCALE_STRIDE_ALIGN = 16
 
 
 def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_plus_scale: bool
                   ) -> tuple[int, int, int, int, int] | None:
     """``(CUfunction, threads, shared bytes, chunks, scratch parameters)`` of the kernel that
     serves ``x2: [B*S, D]`` with a ``[B, D]`` scale of ``scale_dtype``, compiled for 16-byte
-    aligned pointers, for cudnorm's native path to launch through the CUDA driver without
+    aligned pointers, a scale row stride divisible by 16 and statistics rows ``ceil4(B*S)``
+    apart (csrc/ada.cpp checks each call against these), for cudnorm's native path to launch through the CUDA driver without
     coming back to Python (a Python launch from the autograd thread cost about 200 us of host
     time more than a C++ one on a lent H100). ``None`` where the compiled kernel is not the
     plain launch C++ makes (clusters, cooperative or PDL launches, scratch memory, another
@@ -165,7 +169,11 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
     with torch.cuda.device(device):
         rows_per_program, chunks, block, warps = launch_shape(batch, seq, cols, _sm_count(device.index))
         dtypes = (x2.dtype, x2.dtype, scale_dtype, _F32, x2.dtype, _F32)  # x, dy, scale, stats, dx, partial
-        compiled = _kernel().warmup(*dtypes, seq, cols, cols, cols, rows, chunks, batch, grid=(1,),
+        # the call's own width, x row stride and statistics stride (the recipe is per x layout),
+        # a scale row stride divisible by 16 (C++ launches it only for such a scale)
+        stats_stride = -(-rows // 4) * 4
+        compiled = _kernel().warmup(*dtypes, seq, cols, x2.stride(0), SCALE_STRIDE_ALIGN, stats_stride, chunks, batch,
+                                    grid=(1,),
                                     ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, num_warps=warps)
         compiled.run  # noqa: B018 - loads the module: sets compiled.function
     meta = compiled.metadata

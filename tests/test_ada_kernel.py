@@ -132,12 +132,15 @@ def test_fused_needs_no_warmup_spec(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 256, 1152), (32, 256, 1152), (8, 300, 3072)])
-def test_gpu_fused_meets_the_2x_rule(shape):
+@pytest.mark.parametrize("shape, chunked", [((2, 256, 1152), True), ((32, 256, 1152), True), ((8, 300, 3072), True),
+                                            ((4, 64, 1000), False)])  # scale rows 1000 apart: Python's launch
+def test_gpu_fused_meets_the_2x_rule(shape, chunked):
     b, s, d = shape
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     emb = (0.1 * torch.randn(b, 6 * d, device="cuda")).bfloat16().requires_grad_(True)
-    shift, scale = emb.chunk(6, dim=1)[:2]
+    shift, scale = emb.chunk(6, dim=1)[:2] if chunked else emb.detach()[:, :2 * d].reshape(b, 2, d).unbind(1)
+    if not chunked:
+        shift, scale = shift.contiguous().requires_grad_(True), scale.contiguous().requires_grad_(True)
     rows = ref.accuracy_report(
         lambda x, sc, sh: cudnorm.ada_layer_norm(x, sc, sh, 1e-6, one_plus_scale=True),
         lambda x, sc, sh: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, True),

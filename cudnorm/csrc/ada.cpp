@@ -39,14 +39,20 @@ Slot at_step(const void* address, int64_t step) {
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // The fused backward (cudnorm._ada_kernel): one kernel writes dx and each program's partial
-// sums [2, B, chunks, D] (fp32), one sum gives dscale/dshift. Undefined tensors when an
-// argument is not 16-byte aligned (the caller then takes Python's launch).
+// sums [2, B, chunks, D] (fp32), one sum gives dscale/dshift. Undefined tensors when the call
+// is not what the kernel was compiled for (cudnorm._ada_kernel.native_launch): a pointer not
+// 16-byte aligned, a scale row stride not a multiple of 16, statistics rows not ceil4(B*S)
+// apart; the caller then takes Python's launch, which compiles for the call as it is.
 std::tuple<Tensor, Tensor, Tensor> fused_backward(const Recipe& recipe, const Tensor& dy2, const Tensor& x2, int64_t b,
                                                   const Tensor& scale_in, const Tensor& stats,
                                                   at::ScalarType shift_dtype) {
   const int64_t rows = x2.size(0), d = x2.size(1), s = rows / b, chunks = recipe.kernel.chunks;
   Tensor scale = scale_in.stride(-1) == 1 ? scale_in : scale_in.contiguous();
-  if (!(aligned16(x2) && aligned16(dy2) && aligned16(scale) && aligned16(stats))) return {};
+  const int64_t scale_stride = scale.size(0) > 1 ? scale.stride(0) : 16;  // one row: its stride is never read
+  if (!(aligned16(x2) && aligned16(dy2) && aligned16(scale) && aligned16(stats)) || scale_stride % 16 != 0 ||
+      stats.stride(0) != (rows + 3) / 4 * 4) {
+    return {};
+  }
   Tensor dx = at::empty({rows, d}, x2.options());
   Tensor partial = at::empty({2, b, chunks, d}, x2.options().dtype(kF32));
   // the kernel's parameters: x, dy, scale, stats, dx, partial; seq, cols, x / scale / stats
@@ -54,7 +60,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward(const Recipe& recipe, const Te
   launch_kernel(recipe.kernel, b * chunks,
                 {x2.data_ptr(), dy2.data_ptr(), scale.data_ptr(), stats.data_ptr(), dx.data_ptr(), partial.data_ptr()},
                 {static_cast<int32_t>(s), static_cast<int32_t>(d), static_cast<int32_t>(x2.stride(0)),
-                 static_cast<int32_t>(scale.size(0) > 1 ? scale.stride(0) : d), static_cast<int32_t>(stats.stride(0)),
+                 static_cast<int32_t>(scale_stride), static_cast<int32_t>(stats.stride(0)),
                  static_cast<int32_t>(chunks), static_cast<int32_t>(b)});
   Tensor sums = chunks == 1 ? partial.select(2, 0) : partial.sum(2);
   const auto scale_dtype = scale_in.scalar_type();
