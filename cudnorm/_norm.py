@@ -53,26 +53,26 @@ def _rms_norm_math(xf, w, b, eps, offset):
     return y, None, rstd
 
 
-_LN_BACKWARD = torch.ops.aten.native_layer_norm_backward
-# Rows of a half-precision x per block of the CPU LayerNorm backward's dW/dB: fp32 copies of
-# 2**17 elements stay in cache (copies of the whole x and dy made that backward 2.5-3x slower
-# than PyTorch's; blocks of 2**15 elements paid more per-block host time). CPU, one thread, bf16:
-# 256x1024 0.27 ms against PyTorch's 0.24, 4096x4096 42 ms against 39.
+_LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+# Elements of a half-precision x per block of the CPU LayerNorm backward's fp32 dW/dB sums:
+# fp32 copies of 2**17 elements stay in cache (copies of a whole 4096x4096 x and dy made that
+# backward 3x slower than PyTorch's; blocks of 2**15 elements paid more per-block host time).
+# CPU, one thread, bf16: 256x1024 0.27 ms against PyTorch's 0.24, 4096x4096 42 ms against 39.
 _BLOCK_ELEMENTS = 1 << 17
 
 
 def _layer_norm_grads(dy, x, weight, mean, rstd, offset):
     """``(dx x.dtype, dweight fp32, dbias fp32)`` of ``dy, x: [M, N]`` from ATen's LayerNorm
     backward, which computes in fp32; dW is computed against ones when there is no weight,
-    as the cuDNN graph does. On a CPU, dx comes from the kernel on x's own dtype, but dW/dB
-    from fp32 copies of blocks of rows: for a half-precision x ATen's CPU kernel sums dW/dB
-    in per-thread buffers of x's dtype (bf16 at 4096 rows: 2-8% error), where cuDNN's
-    graph and fp32 master weights want fp32 sums."""
+    as the cuDNN graph does. On a CPU, an x larger than a block takes dx from the kernel on
+    x's own dtype but dW/dB from fp32 copies of blocks of rows: for a half-precision x ATen's
+    CPU kernel sums dW/dB in per-thread buffers of x's dtype (bf16 at 4096 rows: 2-8% error),
+    where cuDNN's graph and fp32 master weights want fp32 sums."""
     m, n = x.shape
     w = _dispatch.constant(1.0, n, _F32, x.device) if weight is None else weight.float()
     no_bias = _dispatch.constant(0.0, n, _F32, x.device)  # ATen returns dB only when given a bias
     mean, rstd = mean.reshape(m, 1), rstd.reshape(m, 1)
-    if x.dtype is _F32 or x.device.type != "cpu" or not m:
+    if x.dtype is _F32 or x.device.type != "cpu" or m * n <= _BLOCK_ELEMENTS:
         dx, dw, db = _LN_BACKWARD(dy.float(), x.float(), [n], mean, rstd, w, no_bias, [True, True, True])
         return dx.to(x.dtype), dw, db
     dx = _LN_BACKWARD(dy, x, [n], mean, rstd, w, no_bias, [True, False, False])[0]
@@ -162,7 +162,7 @@ def _native_layer_norm(x, scale, shift, eps, training):
 
 
 # PyTorch's one-kernel RMSNorm (torch >= 2.8); older releases take the composite fp32 path
-_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
+_FUSED_RMS_NORM = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
 
 
 def _native_rms_norm(x, scale, shift, eps, training):
