@@ -81,7 +81,10 @@ def checkout(tmp_path):
     # the copy first (its cudnorm is imported), then what the caller's PYTHONPATH held (where
     # packages come from it, as on the GPU machines: the cuDNN frontend)
     path = os.pathsep.join(filter(None, (str(copy), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": path,
+    # the interpreter's own scripts (torchrun, mkdocs, jupyter) too: a venv's python run without
+    # activating the venv has them off PATH, and the blocks call them by name
+    scripts = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": os.pathsep.join((str(bin_dir), scripts, os.environ["PATH"])), "PYTHONPATH": path,
            "MPLBACKEND": "Agg", "CUDNORM_PLAN_STORE_DIR": str(tmp_path / "plans"), "OMP_NUM_THREADS": "1"}
     return copy, env
 
