@@ -117,8 +117,9 @@ def _layer_norm_kernel(x, w, b, eps, offset):
 def _rms_norm_kernel(x, w, b, eps, offset):
     """``(y x.dtype, None, rstd)`` from ATen's RMSNorm on x's own dtype, scaled by the fp32
     ``w + offset`` (computed in fp32, ``y`` rounded once, fp32 ``rstd``), as
-    :func:`_layer_norm_kernel`; the fp32 math where this torch has no ``_fused_rms_norm``."""
-    if _FUSED_RMS_NORM is None:
+    :func:`_layer_norm_kernel`. Off the CPU, and where this torch has no ``_fused_rms_norm``,
+    the fp32 math: ``F.rms_norm`` keeps mixed dtypes off the fused kernel, measured on CPU only."""
+    if _FUSED_RMS_NORM is None or x.device.type != "cpu":
         y, mean, rstd = _rms_norm_math(x.float(), w, b, eps, offset)
         return y.to(x.dtype), mean, rstd
     n = x.shape[1]
