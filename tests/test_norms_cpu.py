@@ -213,25 +213,6 @@ def test_fp32_weights_are_rounded_in_forward_only(dtype):
 
 
 # -- the CPU fallback with fp32 weights and half-precision input: PyTorch's kernels and cost --
-def _largest_fp32_tensor(fn):
-    """The most elements of any fp32 tensor an aten op returns while ``fn()`` runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
-                    Record.largest = max(Record.largest, t.numel())
-            return out
-
-    with Record():
-        fn()
-    return Record.largest
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cpu_fallback_with_fp32_weights_is_pytorchs_kernel(dtype):
     """With fp32 weights the fallback computes exactly what PyTorch's own op computes with
@@ -246,15 +227,15 @@ def test_cpu_fallback_with_fp32_weights_is_pytorchs_kernel(dtype):
                        F.rms_norm(x.detach(), (1000,), w.detach().to(dtype), 1e-6))
 
 
-def test_cpu_fallback_makes_no_fp32_copy_of_the_activations():
+def test_cpu_fallback_makes_no_fp32_copy_of_the_activations(largest_fp32_tensor):
     """The cost of the fallback: no fp32 tensor of x's size in the LayerNorm forward or
     backward (the backward's fp32 dW/dB sums read x in blocks), so it costs PyTorch's time."""
     rows, n = 1024, 512
     x = torch.randn(rows, n, dtype=torch.bfloat16, requires_grad=True)
     w, b = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
     y = cudnorm.layer_norm(x, (n,), w, b)
-    assert _largest_fp32_tensor(lambda: cudnorm.layer_norm(x, (n,), w, b)) < rows * n
-    assert _largest_fp32_tensor(lambda: y.backward(torch.randn_like(y))) < rows * n
+    assert largest_fp32_tensor(lambda: cudnorm.layer_norm(x, (n,), w, b)) < rows * n
+    assert largest_fp32_tensor(lambda: y.backward(torch.randn_like(y))) < rows * n
 
 
 def test_cpu_fallback_weight_gradients_are_fp32_sums():
