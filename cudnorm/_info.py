@@ -120,6 +120,7 @@ def info() -> dict:
     }
     out["plan_launch"] = _graphs.RawExecute.mode() if status.available else "none (cuDNN not available)"
     out["native"] = _native_status()
+    out["native_build"] = _entry.status()["build"]  # read from the build cache: built here even before the first CUDA call
     out["paths"] = {op: serving_path(op) for op in OPS}
     out["config"] = dataclasses.asdict(_settings.current)
     # the directory in use, as `cudnorm cache info` shows it (None in the Config means the default one)

@@ -4,8 +4,9 @@ of every cache in the package (what ``cudnorm.clear_cache()`` empties and
 
 Reads take no lock: a dictionary lookup and ``OrderedDict.move_to_end`` are each one call
 into C, atomic under the interpreter lock, and a read runs on every op call (a lock costs
-a few hundred nanoseconds there). Writes, which evict, take the lock. Counters are bumped
-without the lock: two threads racing may lose one count, never corrupt the map.
+a few hundred nanoseconds there). Writes, which evict, take the lock, and a write of a new
+key evicts before it inserts, so a reader never sees more than ``capacity`` entries. Counters
+are bumped without the lock: two threads racing may lose one count, never corrupt the map.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class LRU:
         return value
 
     def put(self, key, value) -> None:
-        """Store ``value`` as the most recent entry, evicting the oldest beyond the capacity."""
+        """Store ``value`` as the most recent entry; a new key first evicts the oldest entry
+        if the cache is full (so lock-free readers never see ``capacity + 1`` entries)."""
         with self._lock:
+            evicted = 0 if key in self._data else self._trim(room=1)
             self._data[key] = value
             self._data.move_to_end(key)
-            evicted = self._trim()
         if evicted:
             self._evicted()
 
@@ -123,10 +125,11 @@ class LRU:
     def stats(self) -> LRUStats:
         return LRUStats(len(self._data), self.capacity, self.hits, self.misses, self.evictions)
 
-    def _trim(self) -> int:
-        """Evict down to the capacity (under the lock); returns how many went."""
+    def _trim(self, room: int = 0) -> int:
+        """Evict the oldest entries until ``room`` more fit within the capacity (under the
+        lock); returns how many went."""
         evicted = 0
-        while len(self._data) > self.capacity:
+        while len(self._data) > self.capacity - room:
             self._data.popitem(last=False)
             evicted += 1
         self.evictions += evicted

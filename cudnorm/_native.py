@@ -83,18 +83,24 @@ _lock = threading.RLock()
 
 
 def status() -> dict:
-    """What ``cudnorm info`` shows: whether the native path serves calls here, and why not."""
+    """What ``cudnorm info`` shows: whether the native path serves calls here, and why not;
+    ``build``: what the build cache holds (:func:`build_status`)."""
     active = _state.status == "active" and _entry.native
     if _settings.current.native == "off":
         reason = "off (Config.native='off')"
     elif _state.status == "untried":
-        reason = "not loaded yet (loads at the first CUDA call; cudnorm build builds it ahead)"
+        built, where = build_status()
+        if built:
+            reason = f"not loaded yet: {where}; loads at the first CUDA call"
+        else:
+            reason = (f"not loaded yet: {where}; the first CUDA call builds it (about 1-2 minutes) and loads it, "
+                      "or cudnorm build builds it ahead")
     elif _state.status == "active" and not active:
         reason = "paused (cuDNN disabled or specs being recorded)"
     else:
         reason = _state.reason
     return {"active": active, "state": f"active ({_state.library})" if active else reason, "library": _state.library,
-            "build_seconds": _state.build_seconds}
+            "build_seconds": _state.build_seconds, "build": build_status()[1]}
 
 
 # ---------------------------------------------------------------- building and loading
@@ -187,6 +193,16 @@ def _sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
 
+def _versions() -> dict[str, str]:
+    """The versions a build is made for (no CUDA call: cuDNN's version is the library's)."""
+    try:
+        frontend = importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        frontend = "none"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
+    return {"torch": torch.__version__, "cudnn": str(cudnn), "frontend": frontend}
+
+
 def build_directory() -> Path:
     """Where this torch/CUDA/cuDNN/frontend and these sources build (``Config.native_dir``)."""
     root = _settings.current.native_dir
@@ -196,14 +212,26 @@ def build_directory() -> Path:
     digest = hashlib.sha256(repr((CFLAGS, LDFLAGS)).encode())
     for path in [*_sources(), CSRC / "native.h"]:
         digest.update(path.name.encode() + path.read_bytes())
-    try:
-        frontend = importlib.metadata.version("nvidia-cudnn-frontend")
-    except importlib.metadata.PackageNotFoundError:
-        frontend = "none"
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none"
-    name = (f"torch{torch.__version__}-cudnn{cudnn}-fe{frontend}-{sys.implementation.cache_tag}-"
+    v = _versions()
+    name = (f"torch{v['torch']}-cudnn{v['cudnn']}-fe{v['frontend']}-{sys.implementation.cache_tag}-"
             f"{digest.hexdigest()[:12]}").replace("+", "_")
     return Path(os.path.expanduser(root)) / name
+
+
+def build_status() -> tuple[bool, str]:
+    """``(built, description)`` of the build cache for this process, read from the files alone
+    (nothing is loaded, CUDA is not touched): built for these versions and sources (where), built
+    only for others (which: the directories' names), or not built."""
+    directory = build_directory()
+    v = _versions()
+    these = f"torch {v['torch']}, cuDNN {v['cudnn']}, frontend {v['frontend']}"
+    if (directory / f"{LIBRARY_NAME}.so").is_file():
+        return True, f"built for {these} in {directory}"
+    others = sorted(path.parent.name for path in directory.parent.glob(f"*/{LIBRARY_NAME}.so"))
+    if others:
+        return False, (f"not built for {these} and these sources, built only for others in {directory.parent} "
+                       f"({', '.join(others)})")
+    return False, f"not built yet (none in {directory.parent})"
 
 
 class _Ticker:

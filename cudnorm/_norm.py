@@ -1,8 +1,8 @@
 """One implementation of LayerNorm and RMSNorm, specialised by a description of the op (:class:`NormOp`).
 
 Both norms run the same path on ``[rows, N]`` views: cuDNN's graph, PyTorch's fused kernel
-where that was measured faster or no graph serves, and an fp32 PyTorch fallback on any
-device; then the backward, the fake implementations for tracing and the autograd glue.
+where that was measured faster or no graph serves, and a PyTorch fallback computing in fp32
+on any device; then the backward, the fake implementations for tracing and the autograd glue.
 What tells the two apart fits in a :class:`NormOp`: whether the norm is centred (a mean and
 a bias), its fp32 math, PyTorch's fused kernel and the weight offsets cuDNN takes.
 :func:`implement` binds a description into closures once, at import, so a call never asks
@@ -32,7 +32,7 @@ from ._graphs import Plan, eps_scalar
 _F32 = torch.float32
 
 
-# -- the fp32 math of each norm: PyTorch fallback, fused residual add, double backward --------
+# -- the math of each norm: the PyTorch fallback, fused residual add, double backward ----------
 
 def _layer_norm_math(xf, w, b, eps, offset):
     """``(y, mean, rstd)`` of ``xf: [M, N]`` fp32 (``w``/``b``: fp32 ``[N]`` or None): ATen's
@@ -53,24 +53,80 @@ def _rms_norm_math(xf, w, b, eps, offset):
     return y, None, rstd
 
 
-def _layer_norm_grads(dyf, xf, weight, mean, rstd, offset):
-    """``(dx, dweight, dbias)`` fp32 from ATen's LayerNorm backward; dW is computed against
-    ones when there is no weight, as the cuDNN graph does."""
-    m, n = xf.shape
-    w = torch.ones(n, dtype=_F32, device=xf.device) if weight is None else weight.float()
-    dx, dw, _ = torch.ops.aten.native_layer_norm_backward(
-        dyf, xf, [n], mean.reshape(m, 1), rstd.reshape(m, 1), w, None, [True, True, False])
-    return dx, dw, dyf.sum(0)
+_LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+# Elements of a half-precision x per block of the CPU LayerNorm backward's fp32 dW/dB sums:
+# fp32 copies of 2**17 elements stay in cache (copies of a whole 4096x4096 x and dy made that
+# backward 3x slower than PyTorch's; blocks of 2**15 elements paid more per-block host time).
+# CPU, one thread, bf16: 256x1024 0.27 ms against PyTorch's 0.24, 4096x4096 42 ms against 39.
+_BLOCK_ELEMENTS = 1 << 17
 
 
-def _rms_norm_grads(dyf, xf, weight, mean, rstd, offset):
-    """``(dx, dweight, None)`` fp32: ``dx = rstd * (g - xhat * mean(g * xhat))`` with
-    ``g = dy * (weight + offset)``; ``dw = sum(dy * xhat)``, unchanged by the offset."""
+def _layer_norm_grads(dy, x, weight, mean, rstd, offset):
+    """``(dx x.dtype, dweight fp32, dbias fp32)`` of ``dy, x: [M, N]`` from ATen's LayerNorm
+    backward, which computes in fp32; dW is computed against ones when there is no weight,
+    as the cuDNN graph does. On a CPU, an x larger than a block takes dx from the kernel on
+    x's own dtype but dW/dB from fp32 copies of blocks of rows: for a half-precision x ATen's
+    CPU kernel sums dW/dB in per-thread buffers of x's dtype (bf16 at 4096 rows: 2-8% error),
+    where cuDNN's graph and fp32 master weights want fp32 sums."""
+    m, n = x.shape
+    w = _dispatch.constant(1.0, n, _F32, x.device) if weight is None else weight.float()
+    no_bias = _dispatch.constant(0.0, n, _F32, x.device)  # ATen returns dB only when given a bias
+    mean, rstd = mean.reshape(m, 1), rstd.reshape(m, 1)
+    if x.dtype is _F32 or x.device.type != "cpu" or m * n <= _BLOCK_ELEMENTS:
+        dx, dw, db = _LN_BACKWARD(dy.float(), x.float(), [n], mean, rstd, w, no_bias, [True, True, True])
+        return dx.to(x.dtype), dw, db
+    dx = _LN_BACKWARD(dy, x, [n], mean, rstd, w, no_bias, [True, False, False])[0]
+    rows = max(1, _BLOCK_ELEMENTS // n)
+    block = torch.empty((2, min(rows, m), n), dtype=_F32, device=x.device)
+    sums = []
+    for start in range(0, m, rows):
+        k = min(rows, m - start)
+        xf, dyf = block[0, :k], block[1, :k]
+        torch._foreach_copy_([xf, dyf], [x[start:start + k], dy[start:start + k]])
+        _, dw, db = _LN_BACKWARD(dyf, xf, [n], mean[start:start + k], rstd[start:start + k], w, no_bias,
+                                 [False, True, True])
+        sums.append(torch.stack((dw, db)))
+    dw, db = (sums[0] if len(sums) == 1 else torch.stack(sums).sum(0)).unbind(0)
+    return dx, dw, db
+
+
+def _rms_norm_grads(dy, x, weight, mean, rstd, offset):
+    """``(dx x.dtype, dweight fp32, None)``: ``dx = rstd * (g - xhat * mean(g * xhat))`` with
+    ``g = dy * (weight + offset)``; ``dw = sum(dy * xhat)``, unchanged by the offset; in fp32."""
+    dyf, xf = dy.float(), x.float()
     rstd = rstd.unsqueeze(1)
     xhat = xf * rstd
     g = dyf * (1.0 + offset) if weight is None else dyf * (weight.float() + offset)
     dx = rstd * (g - xhat * (g * xhat).mean(dim=1, keepdim=True))
-    return dx, (dyf * xhat).sum(0), None
+    return dx.to(x.dtype), (dyf * xhat).sum(0), None
+
+
+def _layer_norm_kernel(x, w, b, eps, offset):
+    """``(y x.dtype, mean, rstd)`` of ``x: [M, N]`` from ATen's LayerNorm kernel on x's own
+    dtype with fp32 ``w``/``b`` (``[N]`` or None): it computes in fp32 and rounds ``y`` once,
+    so this is the fp32 math without fp32 copies of ``x`` and ``y`` (3-4x faster on a CPU),
+    and ``y`` is bitwise PyTorch's for weights of x's dtype. With a half-precision ``x`` ATen
+    returns fp32 statistics only when a parameter is fp32: fp32 ones stand in for no weight."""
+    n = x.shape[1]
+    if w is None and x.dtype is not _F32:
+        w = _dispatch.constant(1.0, n, _F32, x.device)
+    y, mean, rstd = torch.native_layer_norm(x, [n], w, b, eps)
+    return y, mean.view(-1), rstd.view(-1)
+
+
+def _rms_norm_kernel(x, w, b, eps, offset):
+    """``(y x.dtype, None, rstd)`` from ATen's RMSNorm on x's own dtype, scaled by the fp32
+    ``w + offset`` (computed in fp32, ``y`` rounded once, fp32 ``rstd``), as
+    :func:`_layer_norm_kernel`. Off the CPU, and where this torch has no ``_fused_rms_norm``,
+    the fp32 math: ``F.rms_norm`` keeps mixed dtypes off the fused kernel, measured on CPU only."""
+    if _FUSED_RMS_NORM is None or x.device.type != "cpu":
+        y, mean, rstd = _rms_norm_math(x.float(), w, b, eps, offset)
+        return y.to(x.dtype), mean, rstd
+    n = x.shape[1]
+    if offset:
+        w = _dispatch.constant(1.0 + offset, n, _F32, x.device) if w is None else w + offset
+    y, rstd = _FUSED_RMS_NORM(x, [n], w, eps)
+    return y, None, rstd.view(-1)
 
 
 def _layer_norm_functional(x, weight, eps, offset):
@@ -107,7 +163,7 @@ def _native_layer_norm(x, scale, shift, eps, training):
 
 
 # PyTorch's one-kernel RMSNorm (torch >= 2.8); older releases take the composite fp32 path
-_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
+_FUSED_RMS_NORM = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
 
 
 def _native_rms_norm(x, scale, shift, eps, training):
@@ -130,7 +186,8 @@ class NormOp:
     name: str  # "layer_norm" | "rms_norm": the graph family, error messages, the cudnorm:: ops
     centred: bool  # subtracts the mean and adds a bias: mean and bias buffers, a dbias, [2, ceil4(M)] stats
     math: Callable  # fp32 forward (xf, w, b, eps, offset) -> (y, mean or None, rstd)
-    grads: Callable  # fp32 backward (dyf, xf, weight, mean, rstd, offset) -> (dx, dweight, dbias or None)
+    kernel: Callable  # PyTorch's forward on x's dtype with fp32 (w, b): (x, w, b, eps, offset) -> (y, mean or None, rstd)
+    grads: Callable  # backward in fp32 (dy, x, weight, mean, rstd, offset) -> (dx x.dtype, dweight fp32, dbias fp32 or None)
     functional: Callable  # differentiable fp32 forward (x, weight, eps, offset), for double backward
     native: Callable | None  # PyTorch's fused CUDA kernel (x, scale, shift, eps, training) -> (y, stats)
     cudnn_offsets: tuple[float, ...]  # nonzero weight offsets cuDNN's graphs take; others run PyTorch's ops
@@ -141,12 +198,12 @@ class NormOp:
         return 2 if self.centred else 1
 
 
-LAYER_NORM = NormOp("layer_norm", True, _layer_norm_math, _layer_norm_grads, _layer_norm_functional,
+LAYER_NORM = NormOp("layer_norm", True, _layer_norm_math, _layer_norm_kernel, _layer_norm_grads, _layer_norm_functional,
                     _native_layer_norm, ())
 # Offsets cuDNN's RMSNorm kernels take: its fused scale prologue accepts only ``weight + 1``
 # (zero-centred gamma); execute refuses any other value (CUDNN_STATUS_BAD_PARAM on an H100,
 # cuDNN 9.19, docs/performance.md, Decisions). Other offsets run the PyTorch path.
-RMS_NORM = NormOp("rms_norm", False, _rms_norm_math, _rms_norm_grads, _rms_norm_functional,
+RMS_NORM = NormOp("rms_norm", False, _rms_norm_math, _rms_norm_kernel, _rms_norm_grads, _rms_norm_functional,
                   None if _FUSED_RMS_NORM is None else _native_rms_norm, (1.0,))
 
 
@@ -161,13 +218,12 @@ def param32(x: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor | None:
 def padded_stats(x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor, training: bool) -> torch.Tensor:
     """fp32 ``[k, ceil4(M)]`` statistics of ``x: [M, N]`` (``k`` = 2 with a mean, else 1), the
     padding zeroed so that repeated calls return equal tensors; ``[k, 0]`` when not training."""
-    m = x.shape[0]
     rows = (rstd,) if mean is None else (mean, rstd)
-    stats = x.new_zeros((len(rows), -(-m // 4) * 4 if training else 0), dtype=_F32)
-    if training:
-        for k, row in enumerate(rows):
-            stats[k, :m] = row
-    return stats
+    if not training:
+        return x.new_empty((len(rows), 0), dtype=_F32)
+    stats = torch.stack(rows).float()  # one op for the common unpadded case (host time of small calls)
+    pad = -x.shape[0] % 4
+    return F.pad(stats, (0, pad)) if pad else stats
 
 
 def torch_backward(op: NormOp, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
@@ -176,8 +232,8 @@ def torch_backward(op: NormOp, dy: torch.Tensor, x: torch.Tensor, weight: torch.
     """PyTorch path of a backward on ``[M, N]`` (``mean``/``rstd``: fp32 ``[M]``): ``(dx x.dtype,
     dweight, dbias or None)``, dW/dB computed in fp32 and rounded once into the weight's dtype."""
     wdtype = _dispatch.backward_scale_dtype(weight)
-    dx, dw, db = op.grads(dy.float(), x.float(), weight, mean, rstd, offset)
-    return dx.to(x.dtype), dw.to(wdtype), None if db is None else db.to(wdtype)
+    dx, dw, db = op.grads(dy, x, weight, mean, rstd, offset)
+    return dx, dw.to(wdtype), None if db is None else db.to(wdtype)
 
 
 # -- the implementation ------------------------------------------------------------------------
@@ -198,7 +254,7 @@ class Implementation(NamedTuple):
 def implement(op: NormOp) -> Implementation:
     """The implementation of ``op``, with the description bound into closures: the hot path
     pays neither an attribute lookup nor a test of which norm it runs, beyond ``centred``."""
-    name, centred, math, functional, native = op.name, op.centred, op.math, op.functional, op.native
+    name, centred, kernel, functional, native = op.name, op.centred, op.kernel, op.functional, op.native
     cudnn_offsets = op.cudnn_offsets
     no_stats = (2, 0) if centred else (0,)  # the statistics of an inference forward
 
@@ -273,13 +329,14 @@ def implement(op: NormOp) -> Implementation:
         return native(x, scale, shift, eps, training)
 
     def torch_forward(x, weight, bias, eps, training, offset):
-        """PyTorch path (any device): the op's fp32 math, cast back to x's dtype."""
-        y, mean, rstd = math(x.float(), param32(x, weight), param32(x, bias), eps, offset)
+        """PyTorch path (any device): PyTorch's kernel computing in fp32 with the fp32
+        parameters rounded as for cuDNN (:func:`param32`)."""
+        y, mean, rstd = kernel(x, param32(x, weight), param32(x, bias), eps, offset)
         if centred:
             stats = padded_stats(x, mean, rstd, training)
         else:
             stats = rstd if training else x.new_empty(no_stats, dtype=_F32)
-        return y.to(x.dtype), stats
+        return y, stats
 
     def backward(dy, x, weight, stats, offset=0.0):
         """Backward on ``[M, N]`` with the forward's ``stats``: ``(dx x.dtype, dweight [N],

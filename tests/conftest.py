@@ -49,3 +49,28 @@ def _test_config():
         _rows.reset()
         yield
     _rows.reset()
+
+
+@pytest.fixture
+def largest_fp32_tensor():
+    """``measure(fn)``: the most elements of any fp32 tensor an aten op returns while ``fn()``
+    runs (the fp32 copies a CPU fallback makes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype is torch.float32:
+                    Record.largest = max(Record.largest, t.numel())
+            return out
+
+    def measure(fn) -> int:
+        Record.largest = 0
+        with Record():
+            fn()
+        return Record.largest
+
+    return measure

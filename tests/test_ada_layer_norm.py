@@ -54,13 +54,25 @@ def _dit_formula(x, scale, shift):
 @pytest.mark.parametrize("wdtype", ["fp32", "same"])
 @pytest.mark.parametrize("dit", [True, False])
 @pytest.mark.parametrize("shape, scale_shape", [((2, 7, 64), None), ((3, 5, 96), "b1d"), ((2, 3, 4, 48), "b11d"),
-                                                ((1, 1, 1000), None), ((4, 160), None)])
+                                                ((1, 1, 1000), None), ((4, 160), None),
+                                                # samples of >= 4096 elements: ATen's LayerNorm per sample
+                                                ((2, 64, 256), None), ((3, 2, 32, 64), "b11d")])
 def test_fallback_matches_reference(dtype, wdtype, dit, shape, scale_shape):
     b, d = shape[0], shape[-1]
     sshape = {None: None, "b1d": (b, 1, d), "b11d": (b, 1, 1, d)}[scale_shape]
     x, scale, shift = _inputs(shape, dtype, torch.float32 if wdtype == "fp32" else dtype, dit, scale_shape=sshape)
     rows = _report(x, scale, shift, dit)
     assert all(r["ok"] for r in rows), rows
+
+
+def test_cpu_fallback_makes_no_fp32_copy_of_the_activations(largest_fp32_tensor):
+    """Samples of >= 4096 elements run ATen's LayerNorm per sample: no fp32 tensor of x's
+    size in the forward or the backward, so the fallback costs PyTorch's eager formula's time."""
+    x, scale, shift = _inputs((4, 64, 256), torch.bfloat16, torch.bfloat16, True)
+    x.requires_grad_(True), scale.requires_grad_(True), shift.requires_grad_(True)
+    y = cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)
+    assert largest_fp32_tensor(lambda: cudnorm.ada_layer_norm(x, scale, shift, one_plus_scale=True)) < x.numel()
+    assert largest_fp32_tensor(lambda: y.backward(torch.randn_like(y))) < x.numel()
 
 
 def test_matches_dit_formula_and_gradient_shapes_dtypes():

@@ -213,6 +213,29 @@ def test_lru_bounds_orders_and_counts():
     assert "test-private" not in _lru.registry()
 
 
+def test_lru_never_holds_more_than_capacity_between_steps():
+    """A lock-free reader (``len``, ``get``) may look at any moment of a ``put``: the map is
+    watched after every insertion, and a new key must have evicted before it went in."""
+    from collections import OrderedDict
+
+    from cudnorm import _lru
+
+    class Watched(OrderedDict):
+        largest = 0
+
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            Watched.largest = max(Watched.largest, len(self))
+
+    lru = _lru.LRU("test-watched", 4, register=False)
+    lru._data = Watched()
+    for key in range(10):
+        lru.put(key, key)
+    lru.put(9, "again")  # an existing key evicts nothing
+    assert Watched.largest == 4
+    assert lru.keys() == [6, 7, 8, 9] and lru.stats().evictions == 6
+
+
 def test_lru_is_safe_under_threads():
     """8 threads reading and writing one small LRU: no error, never above capacity."""
     from cudnorm import _lru

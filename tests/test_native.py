@@ -204,6 +204,35 @@ def test_native_off_is_never_tried(untried, monkeypatch):
     assert _native.status()["state"] == "off (Config.native='off')"
 
 
+def _library(directory):
+    directory.mkdir(parents=True)
+    (directory / f"{_native.LIBRARY_NAME}.so").write_bytes(b"")  # read by its name only: never loaded
+
+
+def test_status_says_whether_a_build_exists_for_these_versions(untried, tmp_path, monkeypatch):
+    """Before the first CUDA call (a new process) the state reads the build cache alone:
+    built here (where, for which versions), built only for other versions, or not built."""
+    monkeypatch.setattr(_native, "build", lambda verbose=False: pytest.fail("status built the library"))
+    cudnorm.config(native_dir=str(tmp_path))
+    versions = _native._versions()
+    these = f"torch {versions['torch']}, cuDNN {versions['cudnn']}, frontend {versions['frontend']}"
+
+    state = _native.status()["state"]
+    assert state.startswith(f"not loaded yet: not built yet (none in {tmp_path})") and "builds it" in state
+
+    _library(tmp_path / "torch2.0.0-cudnn8900-fe1.0.0-cpython-39-0123456789ab")
+    state = _native.status()["state"]
+    assert f"not built for {these}" in state and "torch2.0.0-cudnn8900-fe1.0.0-cpython-39-0123456789ab" in state
+    assert "builds it" in state
+
+    _library(_native.build_directory())
+    assert _native.build_status() == (True, f"built for {these} in {_native.build_directory()}")
+    assert _native.status()["state"] == (f"not loaded yet: built for {these} in {_native.build_directory()}; "
+                                         "loads at the first CUDA call")
+    assert cudnorm.info()["native_build"] == _native.build_status()[1]
+    assert _entry.pending and not _entry.native  # nothing was loaded
+
+
 def test_cpu_tensors_never_try_the_native_path(untried, monkeypatch):
     monkeypatch.setattr(_native, "build", lambda verbose=False: pytest.fail("a CPU call built the native path"))
     cudnorm.layer_norm(torch.randn(4, 32), (32,))

@@ -210,3 +210,42 @@ def test_fp32_weights_are_rounded_in_forward_only(dtype):
     assert w32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32
     cudnorm.config(fp32_weight_fwd="native")
     assert not torch.equal(cudnorm.layer_norm(x, (128,), w32, b32), y), "native mode does not round"
+
+
+# -- the CPU fallback with fp32 weights and half-precision input: PyTorch's kernels and cost --
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_fallback_with_fp32_weights_is_pytorchs_kernel(dtype):
+    """With fp32 weights the fallback computes exactly what PyTorch's own op computes with
+    the weights rounded to x's dtype (its one-rounding fp32 kernel), at a shape where fp32
+    copies of x computed in another order differ in the last bit."""
+    x = (2 * torch.randn(300, 1000) + 0.5).to(dtype)
+    w, b = 1 + 0.1 * torch.randn(1000), 0.1 * torch.randn(1000)
+    with torch.enable_grad():
+        y = cudnorm.layer_norm(x.requires_grad_(True), (1000,), w.requires_grad_(True), b)
+    assert torch.equal(y, F.layer_norm(x.detach(), (1000,), w.detach().to(dtype), b.to(dtype)))
+    assert torch.equal(cudnorm.rms_norm(x.detach(), (1000,), w.detach(), 1e-6),
+                       F.rms_norm(x.detach(), (1000,), w.detach().to(dtype), 1e-6))
+
+
+def test_cpu_fallback_makes_no_fp32_copy_of_the_activations(largest_fp32_tensor):
+    """The cost of the fallback: no fp32 tensor of x's size in the LayerNorm forward or
+    backward (the backward's fp32 dW/dB sums read x in blocks), so it costs PyTorch's time."""
+    rows, n = 1024, 512
+    x = torch.randn(rows, n, dtype=torch.bfloat16, requires_grad=True)
+    w, b = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
+    y = cudnorm.layer_norm(x, (n,), w, b)
+    assert largest_fp32_tensor(lambda: cudnorm.layer_norm(x, (n,), w, b)) < rows * n
+    assert largest_fp32_tensor(lambda: y.backward(torch.randn_like(y))) < rows * n
+
+
+def test_cpu_fallback_weight_gradients_are_fp32_sums():
+    """dW/dB of fp32 weights with bf16 x are fp32-accurate over many rows (PyTorch's CPU
+    kernel sums them in bf16: percent-level errors here)."""
+    x = torch.randn(4096, 256, dtype=torch.bfloat16).requires_grad_(True)
+    w, b = torch.randn(256, requires_grad=True), torch.randn(256, requires_grad=True)
+    dy = torch.randn(4096, 256, dtype=torch.bfloat16)
+    cudnorm.layer_norm(x, (256,), w, b).backward(dy)
+    xd, dyd = x.detach().double(), dy.double()
+    xhat = (xd - xd.mean(1, keepdim=True)) * torch.rsqrt(xd.var(1, unbiased=False, keepdim=True) + 1e-5)
+    for got, want in ((w.grad, (dyd * xhat).sum(0)), (b.grad, dyd.sum(0))):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
