@@ -46,23 +46,21 @@ _F32 = torch.float32
 FORWARD_STRATEGIES = ("cudnn", "per_sample", "torch")
 STRATEGIES = ("fused", "cudnn", "per_sample", "torch")  # backward
 
-# (rule(b, s, d, dtype), strategy) rows, first match wins. Measured with fresh tensors on a
-# lent H100 (bf16, GPU time per call from CUDA-graph replays of plain launches;
-# docs/performance.md, Decisions): cuDNN's AdaLN forward graph is one launch at 7.8-76 us
-# where the eager formula takes 12-292 us. cuDNN's AdaLN backward graph matches the
-# per-sample launches up to ADA_CUDNN_BACKWARD_MAX elements and 8 samples (2x256x1152 13.3
-# vs 15.1 us, 8x256x1152 42.7 vs 45.3, 2x1024x1152 29.7 vs 25.5) with one launch instead of
-# B, and collapses beyond (8x1024x1152 99.6 vs 76.6, 8x1024x3072 497 vs 126, 32x256x1152
-# 3534 vs 159).
-ADA_CUDNN_BACKWARD_MAX = 1 << 22
+# (rule(b, s, d, dtype), strategy) rows, first match wins (docs/performance.md, Decisions).
+# Forward: cuDNN's AdaLN forward graph is one launch at 7.8-76 us where the eager formula takes
+# 12-292 us (lent H100, bf16, fresh tensors). Backward: the fused kernel is two or three
+# launches at any batch and the least GPU time from 8 samples on (32 x 256 x 1152: 39 us
+# against 170 for the per-sample launches and 103 for the eager formula; at 2 samples the
+# per-sample launches are within 4%); cuDNN's AdaLN backward graph collapses beyond a few
+# samples (3.5 ms at 32 x 256 x 1152). One sample is one plain LayerNorm backward launch.
 FORWARD_RULES = ((lambda b, s, d, dtype: True, "cudnn"),)
 BACKWARD_RULES = (
     (lambda b, s, d, dtype: b == 1, "per_sample"),  # one LayerNorm backward launch
     (lambda b, s, d, dtype: True, "fused"),  # one kernel and one sum, whatever the batch
 )
 FORWARD_ORDER = {"cudnn": ("cudnn", "per_sample"), "per_sample": ("per_sample", "cudnn"), "torch": ()}
-# where Triton is missing (or the row too wide) ``fused`` hands over to the cuDNN strategies:
-# cuDNN's AdaLN graph for few samples, where it matches the per-sample launches in one launch
+# where Triton is missing (or the row too wide) ``fused`` hands over to the per-sample
+# launches, which never collapse as cuDNN's AdaLN backward graph does beyond a few samples
 BACKWARD_ORDER = {"fused": ("fused", "per_sample", "cudnn"), "cudnn": ("cudnn", "per_sample"),
                   "per_sample": ("per_sample", "cudnn"), "torch": ()}
 
@@ -254,8 +252,8 @@ FORWARDS = {strategy.name: strategy for strategy in (CudnnForward, PerSampleForw
 
 class CudnnBackward:
     """``cudnn``: cuDNN's adalayernorm backward graph, one launch reading the gain (and writing
-    dscale/dshift) in the scale's own dtype. The rules pick it for 2-8 samples up to
-    ADA_CUDNN_BACKWARD_MAX elements; beyond, it collapses."""
+    dscale/dshift) in the scale's own dtype. Only when forced, or where the per-sample
+    launches cannot serve: beyond a few samples it collapses (3.5 ms at 32 x 256 x 1152)."""
 
     name = "cudnn"
 
@@ -277,7 +275,8 @@ class CudnnBackward:
 class PerSampleBackward:
     """``per_sample``: the plain LayerNorm backward graph of one sample, launched ``B`` times
     with weight ``gain[b]``; its dW/dB are dscale[b]/dshift[b], written straight into the
-    outputs' rows. The rules pick it for one sample and beyond the ``cudnn`` range."""
+    outputs' rows. The rules pick it for one sample (one launch); where ``fused`` cannot serve
+    (no Triton), for every batch."""
 
     name = "per_sample"
 
