@@ -16,7 +16,8 @@ sample's partial rows (one reduction) finishes dscale/dshift, so results are det
 (no atomics). All arithmetic is fp32; dx is rounded once to x's dtype.
 
 Triton ships with PyTorch's CUDA wheels on Linux; without it (or on a CPU) :func:`available`
-is False and the strategies fall back to cuDNN's graphs.
+is False and the strategies fall back to the per-sample LayerNorm backward graphs. On the
+native path C++ launches the compiled kernel itself (:func:`native_launch`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 _F32 = torch.float32
 # The widest row one program holds in registers (fp32 vectors of this many elements); wider
-# rows take cuDNN's per-sample strategy.
+# rows take the per-sample strategy.
 MAX_COLS = 16384
 # Programs per SM the grid aims at: enough rows in flight to hide memory latency, few enough
 # that the partial sums (2 fp32 rows per program) stay a small share of the traffic.
@@ -95,8 +96,8 @@ def available(x2: torch.Tensor, scale_dtype: torch.dtype) -> bool:
     """Whether the kernel serves ``x2: [B*S, D]`` (unit column stride) with a ``[B, D]`` scale
     of ``scale_dtype``: CUDA tensors of fp16/bf16/fp32, ``D <= MAX_COLS``, Triton importable.
     A meta ``x2`` stands for a CUDA one (warmup and the native path's recipes ask with those)."""
-    return (x2.device.type in ("cuda", "meta") and x2.dtype in _DTYPES and scale_dtype in _DTYPES and x2.shape[1] <= MAX_COLS
-            and x2.stride(1) == 1 and _kernel() is not None)
+    return (x2.device.type in ("cuda", "meta") and x2.dtype in _DTYPES and scale_dtype in _DTYPES
+            and x2.shape[1] <= MAX_COLS and x2.stride(1) == 1 and _kernel() is not None)
 
 
 @functools.cache
