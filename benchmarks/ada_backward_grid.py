@@ -140,7 +140,8 @@ def plot(rows: list[dict], path: Path, providers: list[str]) -> None:
     fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
     for ax, d in zip(axes[0], dims):
         for p in providers:
-            mine = sorted((r for r in rows if r["dim"] == d and r["provider"] == p), key=lambda r: r["batch"] * r["seq"])
+            mine = sorted((r for r in rows if r["dim"] == d and r["provider"] == p),
+                          key=lambda r: r["batch"] * r["seq"])
             ax.plot([r["batch"] * r["seq"] for r in mine], [r["gpu_us"] for r in mine], "o-", label=p)
         ax.set(xscale="log", yscale="log", xlabel="rows B x S", ylabel="GPU us per backward", title=f"D = {d}")
         ax.grid(True, which="both", alpha=0.3)

@@ -159,11 +159,11 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
     """``(CUfunction, threads, shared bytes, chunks, scratch parameters)`` of the kernel that
     serves ``x2: [B*S, D]`` with a ``[B, D]`` scale of ``scale_dtype``, compiled for 16-byte
     aligned pointers, a scale row stride divisible by 16 and statistics rows ``ceil4(B*S)``
-    apart (csrc/ada.cpp checks each call against these), for cudnorm's native path to launch through the CUDA driver without
-    coming back to Python (a Python launch from the autograd thread cost about 200 us of host
-    time more than a C++ one on a lent H100). ``None`` where the compiled kernel is not the
-    plain launch C++ makes (clusters, cooperative or PDL launches, scratch memory, another
-    parameter list): Python launches it then."""
+    apart (csrc/ada.cpp checks each call against these), for cudnorm's native path to launch
+    through the CUDA driver without coming back to Python (a Python launch from the autograd
+    thread cost about 200 us of host time more than a C++ one on a lent H100). ``None`` where
+    the compiled kernel is not the plain launch C++ makes (clusters, cooperative or PDL
+    launches, scratch memory, another parameter list): Python launches it then."""
     rows, cols = x2.shape
     seq = rows // batch
     device = x2.device if x2.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())

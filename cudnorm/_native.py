@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_kernel, _ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording, _rows,
-               _runtime, _settings, _warn)
+from . import (_ada_kernel, _ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording,
+               _rows, _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
