@@ -2,8 +2,8 @@
 # GPU verification in stages, each with its own time limit, logs written as it goes (so a stage
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
-# Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps notebooks notebooks-store
-#         host api autotune bench-ln bench-rms ada rows
+# Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
+#         notebooks notebooks-store host api autotune bench-ln bench-rms ada rows
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
 # the tests marked `alone` run after them, in one process.
@@ -11,6 +11,8 @@
 # notebooks-store: executes every notebook on this GPU and writes them with their outputs to OUT/notebooks/; copy
 #   them into notebooks/ and commit (tools/make_notebooks.py --check then accepts them until a source changes).
 # dist-steps: NPROC ranks (default 2, one GPU each; NPROC=1 runs the same script on one GPU).
+# dist-steps-dit: diffusers' DiT-XL/2 at full depth (28 blocks, B 32 per rank, 256 px) under FSDP2 over NPROC ranks
+#   (default 4), rows appended to OUT/distributed_steps.csv beside dist-steps'.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -53,6 +55,9 @@ PY
         timeout 240 torchrun --standalone --nproc-per-node "${NPROC:-2}" benchmarks/distributed_steps.py --setup "$setup" \
           --out "$out/distributed_steps.csv" 2>&1 | grep -vE "nanobind|leaked|OMP_NUM_THREADS|^\*+$" | tail -6
       done ;;
+    dist-steps-dit)
+      timeout 420 torchrun --standalone --nproc-per-node "${NPROC:-4}" benchmarks/distributed_steps.py --model dit \
+        --out "$out/distributed_steps.csv" 2>&1 | grep -vE "nanobind|leaked|OMP_NUM_THREADS|^\*+$" | tail -8 ;;
     tests-core)  pytest_gpu tests-core 200 tests/test_norms_gpu.py tests/test_bench.py ;;
     tests-ada)   pytest_gpu tests-ada 150 tests/test_ada_layer_norm.py ;;
     tests-store) pytest_gpu tests-store 200 tests/test_plan_store_gpu.py ;;

@@ -187,6 +187,36 @@ def test_distributed_steps_quick_run_times_every_provider(tmp_path):
     assert all(r["status"] == "ok" and float(r["ms_per_step"]) > 0 for r in rows), rows
 
 
+@pytest.mark.slow  # two processes under torchrun
+def test_distributed_steps_quick_run_times_the_dit_under_fsdp2(tmp_path):
+    """``distributed_steps.py --model dit --quick``: diffusers' DiT at toy widths under FSDP2
+    over 2 gloo processes, a row per provider with a positive step time, the cudnorm providers
+    patched; ``--setup tp`` with it is refused naming both arguments."""
+    pytest.importorskip("diffusers")
+    from cudnorm._bench.real_models.diffusers_models import DIT  # noqa: PLC0415
+
+    script = str(ROOT / "benchmarks" / "distributed_steps.py")
+    out = tmp_path / "steps.csv"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           script, "--model", "dit", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = _read_csv(out)
+    assert [(r["model"], r["setup"], r["provider"]) for r in rows] == [
+        ("dit", "fsdp2", p) for p in ("torch", "cudnorm", "cudnorm-cudnn", "torch-again")]
+    assert all(r["status"] == "ok" and float(r["ms_per_step"]) > 0 for r in rows), rows
+    toy = DIT.toy
+    assert {(r["dim"], r["depth"], r["batch"], r["seq"]) for r in rows} == {
+        (str(DIT.width(toy)), str(toy["num_layers"]), str(DIT.toy_batch), str(DIT.tokens(toy)))}
+    swapped = [line for line in done.stdout.splitlines() if "cudnorm.patch: swapped" in line]
+    assert [line.split(":")[0] for line in swapped] == ["cudnorm", "cudnorm-cudnn"], done.stdout
+    assert all("swapped 0 " not in line for line in swapped), swapped
+    refused = subprocess.run([sys.executable, script, "--model", "dit", "--setup", "tp"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "--setup tp: --model dit runs under fsdp2 only" in refused.stderr
+
+
 def test_speedup_panels_of_the_op_and_host_tables():
     """``bench_speedup.png``: cudnorm's kernel time against eager PyTorch's per shape, one
     panel per op, ``torch-again`` as the band; ``host_overhead.png`` likewise per direction."""
