@@ -15,6 +15,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def fake_fused_backward(calls: list):
+    """``cudnorm._ada_kernel.backward`` computed by PyTorch's formula (so it runs on a CPU),
+    appending each call's batch to ``calls``."""
+    import importlib
+
+    ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
+
+    def backward(dy2, x2, b, scale, stats, dit):
+        calls.append(b)
+        rows, d = x2.shape
+        gain = (scale.float() + 1) if dit else scale.float()
+        dx, dscale, dshift = ada._torch_backward(dy2.view(b, -1, d), x2.view(b, -1, d), gain, stats[0, :rows],
+                                                 stats[1, :rows])
+        return dx.view(rows, d), torch.stack([dscale, dshift])
+
+    return backward
+
+
+@pytest.fixture(params=[False, True], ids=["without-triton", "with-triton"])
+def fused_kernel(request, monkeypatch):
+    """The fused AdaLN backward's kernel missing (as without Triton) or serving every tensor
+    (faked by :func:`fake_fused_backward`, so CPU tensors take it too): what a test sees must
+    not depend on whether its environment happens to have Triton. Yields the calls' batches."""
+    from cudnorm import _ada_kernel
+
+    calls = []
+    if request.param:
+        monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: True)
+        monkeypatch.setattr(_ada_kernel, "backward", fake_fused_backward(calls))
+    else:
+        monkeypatch.setattr(_ada_kernel, "_kernel", lambda: None)
+    yield calls if request.param else None
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

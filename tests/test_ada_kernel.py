@@ -15,6 +15,7 @@ import cudnorm
 from cudnorm import _ada_kernel
 from cudnorm import _ada_strategies as strategies
 from cudnorm import reference as ref
+from conftest import fake_fused_backward
 
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
 
@@ -79,20 +80,6 @@ def test_launch_shape_keeps_programs_per_sample_bounded():
     assert _ada_kernel.launch_shape(2, 3, 64, 132)[:2] == (4, 1)  # never more rows than a sample has (rounded up)
 
 
-def _fake_kernel(calls):
-    """``_ada_kernel.backward`` computed by PyTorch's formula, counting its calls."""
-
-    def backward(dy2, x2, b, scale, stats, dit):
-        calls.append(b)
-        rows, d = x2.shape
-        gain = (scale.float() + 1) if dit else scale.float()
-        dx, dscale, dshift = ada._torch_backward(dy2.view(b, -1, d), x2.view(b, -1, d), gain, stats[0, :rows],
-                                                 stats[1, :rows])
-        return dx.view(rows, d), torch.stack([dscale, dshift])
-
-    return backward
-
-
 @pytest.mark.parametrize("sdtype, hdtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                             (torch.float32, torch.bfloat16)])
 def test_fused_strategy_serves_any_batch_in_one_call(monkeypatch, sdtype, hdtype):
@@ -101,7 +88,7 @@ def test_fused_strategy_serves_any_batch_in_one_call(monkeypatch, sdtype, hdtype
     calls = []
     monkeypatch.setattr(ada._runtime, "route", lambda x: None)
     monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: True)
-    monkeypatch.setattr(_ada_kernel, "backward", _fake_kernel(calls))
+    monkeypatch.setattr(_ada_kernel, "backward", fake_fused_backward(calls))
     monkeypatch.setattr(ada._cache, "get_plan", lambda spec: pytest.fail(f"no cuDNN graph was asked for: {spec}"))
     b, s, d = 32, 8, 16
     x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
