@@ -116,7 +116,7 @@ def reference(x, residual, normalized_shape, weight, bias, eps, rms, offset=0.0)
         return torch.layer_norm(h, normalized_shape, weight, bias, eps), h
     if offset:
         return _norm.gemma_rms_norm(h, normalized_shape, weight, eps, offset), h
-    return torch.rms_norm(h, normalized_shape, weight, eps), h
+    return _norm.torch_rms_norm(h, normalized_shape, weight, eps), h
 
 
 def _fake_forward(x, residual, weight, bias, eps, training, rms, offset=0.0):

@@ -142,6 +142,16 @@ def _rms_norm_functional(x, weight, eps, offset):
     return y * (1.0 + offset) if weight is None and offset else y
 
 
+def torch_rms_norm(x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """PyTorch's RMSNorm (calls the policy leaves to PyTorch). A weight of another dtype than
+    ``x`` (fp32 on half-precision ``x``, :mod:`cudnorm._policy` rule 1) goes to ATen's fused
+    kernel, which computes in fp32 and rounds ``y`` once; ``torch.rms_norm`` would warn that
+    it cannot dispatch mixed dtypes to that kernel and take its composite fp32 path."""
+    if weight is not None and weight.dtype is not x.dtype and _FUSED_RMS_NORM is not None:
+        return _FUSED_RMS_NORM(x, shape, weight, eps)[0]
+    return torch.rms_norm(x, shape, weight, eps)
+
+
 def gemma_rms_norm(x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
     """PyTorch's RMSNorm scaled by ``weight + offset`` as Gemma's model code writes it (calls
     the policy leaves to PyTorch): fp32 throughout, one rounding at the end."""

@@ -32,9 +32,14 @@ with no cudnorm op or autograd node in between:
    path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`): PyTorch's ops;
 4. otherwise cuDNN.
 
-Calls with fp32 weights on half-precision input keep cudnorm's own path at every size (its
-forward rounds the weights as cuDNN reads them, and its weight gradients stay fp32; on the
-CPU, PyTorch's kernels in fp32). ``policy="cudnn"`` sends every call to cudnorm's own
+Calls with fp32 weights on half-precision input keep cudnorm's own path at every size on
+CUDA (its forward rounds the weights as cuDNN reads them, and its weight gradients stay
+fp32). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op, as rule 1
+has it: results and cost are PyTorch's (cudnorm's own fp32 path cost up to 4.5x PyTorch's time
+on a CPU, its Python autograd node a fixed 15-40 us; docs/performance.md, Decisions), so a
+patched model on a CPU computes what the unpatched one does. PyTorch's CPU LayerNorm
+backward sums the dW/dB of half-precision input in that precision (bf16, 256-4096 rows:
+1.3-5% error); ``policy="cudnn"`` keeps cudnorm's fp32 sums on a CPU. ``policy="cudnn"`` sends every call to cudnorm's own
 path: cuDNN wherever it can serve (benchmarks and tests of that path use it). Where a
 DTensor takes cudnorm's own path (either of these), cudnorm's ops run on each rank's local
 shard and return DTensors placed by the rules of :mod:`cudnorm._sharding`.
@@ -45,6 +50,8 @@ from __future__ import annotations
 import torch
 
 from . import _settings
+
+_F32 = torch.float32
 
 # Eager calls with at least this many input elements run on cuDNN. Model steps with fresh
 # inputs on a lent H100, bf16, every call on cuDNN (docs/performance.md, Decisions): every
@@ -76,8 +83,16 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
         return False
     for p in params:
         if p is not None and p.dtype is not input.dtype:
-            return False
+            return _mixed_off_cuda(input, params)
     return prefers_torch(type(input) is torch.Tensor and input.is_cuda, input.numel())
+
+
+def _mixed_off_cuda(input: torch.Tensor, params) -> bool:
+    """Rule 1 for half-precision input with fp32 weights: a plain tensor off CUDA (a CPU one)
+    takes PyTorch's mixed-dtype kernels, which compute in fp32, at PyTorch's cost; where one
+    weight is fp32 and another is not, PyTorch's kernels refuse the call and cudnorm's own
+    path serves it."""
+    return type(input) is torch.Tensor and not input.is_cuda and all(p is None or p.dtype is _F32 for p in params)
 
 
 def prefers_torch(plain_cuda: bool, numel: int) -> bool:

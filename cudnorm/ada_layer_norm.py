@@ -349,5 +349,9 @@ def _torch_ops(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: f
     xhat = torch.layer_norm(x, (x.shape[-1],), None, None, eps)
     gain = scale + 1 if one_plus_scale else scale
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
-        return xhat * gain + shift
-    return torch.addcmul(shift, xhat, gain)
+        y = xhat * gain + shift
+    else:
+        y = torch.addcmul(shift, xhat, gain)
+    # fp32 modulation of half-precision x (a CPU call, cudnorm._policy rule 1): the formula
+    # computes in fp32 and the result is rounded once to x's dtype, as cudnorm's own path returns
+    return y if y.dtype is x.dtype else y.to(x.dtype)

@@ -13,6 +13,7 @@ through the custom ops. Statistics are fp32 ``[2, ceil4(M)]``: mean in row 0, rs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -79,6 +80,17 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
 def python_layer_norm(input, normalized_shape, weight, bias, eps, residual=None):
     """:func:`layer_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
+    if residual is None and type(eps) is float and 0.0 <= eps < math.inf:
+        # PyTorch's op where the policy prefers it, before cudnorm's checks (CPU calls cost what
+        # PyTorch's do): it refuses every mistake the checks find but an eps, checked here, so
+        # the checks run only where it raised, to name the mistake. Not on meta tensors, whose
+        # kernels check no dtypes
+        try:
+            if not input.is_meta and _policy.torch_serves(input, weight, bias):
+                return torch.layer_norm(input, (normalized_shape,) if type(normalized_shape) is int
+                                        else normalized_shape, weight, bias, eps)
+        except Exception:  # noqa: BLE001 - cudnorm's checks below raise the error that names the argument
+            pass
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
     if residual is not None:
         _checks.check_residual(_OP, residual, input)

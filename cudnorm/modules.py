@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from . import _checks, _entry, _policy
+from . import _checks, _entry, _norm, _policy
 from .ada_layer_norm import ada_layer_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
@@ -66,12 +66,12 @@ class RMSNorm(torch.nn.RMSNorm):
         if _policy.torch_serves(input, weight):  # PyTorch's op, checked as in LayerNorm.forward
             if eps is None or (type(eps) is float and 0.0 <= eps < math.inf):
                 try:
-                    return torch.rms_norm(input, self.normalized_shape, weight, eps)
+                    return _norm.torch_rms_norm(input, self.normalized_shape, weight, eps)
                 except Exception:
                     pass
             # eps=None is PyTorch's default, the dtype's machine epsilon: any valid eps checks the rest
             _checks.norm_call("rms_norm", input, self.normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
-            return torch.rms_norm(input, self.normalized_shape, weight, eps)
+            return _norm.torch_rms_norm(input, self.normalized_shape, weight, eps)
         return rms_norm(input, self.normalized_shape, weight, self.eps)
 
 

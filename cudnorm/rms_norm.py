@@ -16,6 +16,7 @@ through the custom ops. The statistics are rstd, fp32 ``[M]``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -91,6 +92,15 @@ def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -
 def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
     """:func:`rms_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
+    if residual is None and weight_offset == 0.0 and (eps is None or type(eps) is float and 0.0 <= eps < math.inf):
+        # PyTorch's op first where the policy prefers it, as in cudnorm.layer_norm: the checks run
+        # only where it raised, to name the mistake (not on meta tensors)
+        try:
+            if not input.is_meta and _policy.torch_serves(input, weight):
+                return _norm.torch_rms_norm(input, (normalized_shape,) if type(normalized_shape) is int
+                                            else normalized_shape, weight, eps)
+        except Exception:  # noqa: BLE001 - cudnorm's checks below raise the error that names the argument
+            pass
     n, eps, weight_offset = _check_call(input, normalized_shape, weight, eps, weight_offset, residual)
     if residual is not None:
         return _fused_add.call(input, residual, normalized_shape, n, weight, None, eps, True, weight_offset)
@@ -98,7 +108,7 @@ def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, res
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
         if weight_offset:
             return _norm.gemma_rms_norm(input, shape, weight, eps, weight_offset)
-        return torch.rms_norm(input, shape, weight, eps)
+        return _norm.torch_rms_norm(input, shape, weight, eps)
     flat = input.dim() == 2 and input.shape[1] == n  # the common case needs no reshapes
     x = input if flat else _checks.rows(_OP, "input", input, n)
     w = weight if weight is None or flat else weight.reshape(n)

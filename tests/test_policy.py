@@ -3,6 +3,8 @@
 and keep cudnorm's argument errors, and that ``policy="cudnn"`` restores cudnorm's own
 path. CPU tests run everywhere; the ``gpu`` ones check the size and compile rules on CUDA."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,11 @@ def test_rules(auto, monkeypatch):
     assert _policy.prefers_torch(False, big)  # CPU, meta, tensor subclasses
     w16, w32 = torch.empty(1, dtype=BF16), torch.empty(1)
     assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w16, None)  # CPU
-    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32)  # fp32 weights: cudnorm's rounding path
+    # fp32 weights on a CPU: PyTorch's mixed-dtype kernels; one fp32 and one bf16 weight: PyTorch's
+    # kernels refuse the mix, cudnorm's own path serves it; a tensor subclass keeps cudnorm's path
+    assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32, None)
+    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32, w16)
+    assert not _policy.torch_serves(torch.nn.Parameter(torch.empty(2, 4, dtype=BF16)), w32)
     assert not _policy.torch_serves([1.0], w16)  # not a tensor: cudnorm's path raises the argument error
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _policy.prefers_torch(True, big)  # traced: Inductor fuses PyTorch's ops
@@ -63,6 +69,35 @@ def test_routed_layer_and_rms_norm_are_pytorchs_ops(auto, dtype):
         assert torch.equal(y, want_y)
         for a, e in zip(got, want):
             assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_cpu_calls_with_fp32_weights_are_pytorchs_mixed_dtype_ops(auto, dtype):
+    """Half-precision x with fp32 weights on a CPU (what cudnorm's modules hold): PyTorch's own
+    autograd nodes, the results PyTorch's mixed-dtype kernels give (RMSNorm's fused kernel,
+    equal to ``F.rms_norm``'s fp32 path within a rounding), fp32 weight gradients, and no
+    warning (``torch.rms_norm`` warns that it cannot send mixed dtypes to its fused kernel)."""
+    x, w, b = _rows_inputs(dtype)
+    w, b = (p.detach().float().requires_grad_() for p in (w, b))
+    ln, torch_ln = cudnorm.LayerNorm(64), torch.nn.LayerNorm(64)
+    rms, torch_rms = cudnorm.RMSNorm(64, eps=1e-6), torch.nn.RMSNorm(64, eps=1e-6)
+    cases = ((lambda: cudnorm.layer_norm(x, (64,), w, b, 1e-5), lambda: F.layer_norm(x, (64,), w, b, 1e-5), w, w, 0),
+             (lambda: ln(x), lambda: torch_ln(x), ln.weight, torch_ln.weight, 0),
+             (lambda: cudnorm.rms_norm(x, 64, w, 1e-6), lambda: F.rms_norm(x, (64,), w, 1e-6), w, w, 4e-3),
+             (lambda: rms(x), lambda: torch_rms(x), rms.weight, torch_rms.weight, 4e-3))
+    for mine, theirs, my_weight, their_weight, tolerance in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = mine()
+            got = torch.autograd.grad(y.float().square().sum(), (x, my_weight))
+        assert "cudnorm" not in type(y.grad_fn).__name__ and y.dtype is dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # F.rms_norm's mixed-dtype warning
+            want_y = theirs()
+            want = torch.autograd.grad(want_y.float().square().sum(), (x, their_weight))
+        for a, e in zip((y, *got), (want_y, *want)):
+            assert a.dtype is e.dtype and (torch.equal(a, e) if tolerance == 0 else ref.rel_error(a, e) < tolerance)
+    assert got[1].dtype is torch.float32
 
 
 @pytest.mark.parametrize("dit", [True, False])

@@ -213,10 +213,12 @@ def measure(provider: Provider, op: str, inp: Inputs, expected: dict, limits: di
     row["bytes"] = traffic_bytes(op, inp)
     before = cudnorm.cache_info()
     fn = outputs = None
-    # the op table compares kernels: cudnorm's row is its cuDNN path at every size (the
-    # default policy hands small calls to PyTorch's op, which the torch row already times)
+    # the op table compares kernels: on CUDA cudnorm's row is its cuDNN path at every size (the
+    # default policy hands small calls to PyTorch's op, which the torch row already times); off
+    # CUDA there is no cuDNN path, and the row is what the default policy runs there
+    cudnn_path = provider.name == "cudnorm" and inp.x.is_cuda
     try:
-        with _settings.config(policy="cudnn") if provider.name == "cudnorm" else contextlib.nullcontext():
+        with _settings.config(policy="cudnn") if cudnn_path else contextlib.nullcontext():
             fn, outputs = provider.setup(op, inp)
             errs = accuracy.errors(outputs, quantities(op), expected)
             outputs = None
