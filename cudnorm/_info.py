@@ -77,6 +77,8 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
         _entry.try_native(input)
     if reason is None and input.dtype is torch.float64:
         reason = "float64: cuDNN has no double-precision normalization"
+    elif reason is None and _settings.current.policy == "torch":
+        reason = "policy 'torch': PyTorch's ops serve every call whose weights have the input's dtype"
     elif reason is None and _entry.native and type(input) is torch.Tensor and not torch.compiler.is_compiling():
         # the native entry points' policy (cudnorm/csrc/entry.cpp)
         threshold = _policy.NATIVE_CUDNN_MIN_ELEMENTS

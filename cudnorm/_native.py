@@ -352,12 +352,21 @@ def _sync() -> None:
     serve = current.native != "off" and not current.disable_cudnn and not _recording.blocks
     native = torch.ops.cudnorm_native
     native.clear()
-    native.configure(serve, current.policy == "auto", _policy_min_elements())
+    native.configure(serve, *policy_arguments(current.policy))
     module = _state.module
     _entry.layer_norm, _entry.rms_norm = module.layer_norm, module.rms_norm
     _entry.add_layer_norm, _entry.add_rms_norm = module.add_layer_norm, module.add_rms_norm
     _entry.ada_layer_norm = module.ada_layer_norm
     _entry.native = serve
+
+
+def policy_arguments(policy: str) -> tuple[bool, int]:
+    """``(policy_auto, cudnn_min_elements)`` for C++'s ``configure``: under ``"auto"`` same-dtype
+    calls below the threshold run PyTorch's op; under ``"torch"`` every same-dtype call does
+    (a threshold no tensor reaches); under ``"cudnn"`` none."""
+    if policy == "cudnn":
+        return False, 0
+    return True, _policy_min_elements() if policy == "auto" else 1 << 62
 
 
 def _policy_min_elements() -> int:

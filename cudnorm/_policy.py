@@ -40,7 +40,10 @@ on a CPU, its Python autograd node a fixed 15-40 us; docs/performance.md, Decisi
 patched model on a CPU computes what the unpatched one does. PyTorch's CPU LayerNorm
 backward sums the dW/dB of half-precision input in that precision (bf16, 256-4096 rows:
 1.3-5% error); ``policy="cudnn"`` keeps cudnorm's fp32 sums on a CPU. ``policy="cudnn"`` sends every call to cudnorm's own
-path: cuDNN wherever it can serve (benchmarks and tests of that path use it). Where a
+path: cuDNN wherever it can serve (benchmarks and tests of that path use it).
+``policy="torch"`` sends every call whose weights have the input's dtype to PyTorch's ops
+through cudnorm's functions and modules, at any size: a model patched by :func:`cudnorm.patch`
+then runs PyTorch's kernels plus cudnorm's own Python, which that control measures. Where a
 DTensor takes cudnorm's own path (either of these), cudnorm's ops run on each rank's local
 shard and return DTensors placed by the rules of :mod:`cudnorm._sharding`.
 """
@@ -79,12 +82,13 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
         return False  # cudnorm's own path raises the argument error
     if input.dtype is torch.float64:
         return True  # rule 0, at every policy
-    if _settings.current.policy != "auto":
+    policy = _settings.current.policy
+    if policy == "cudnn":
         return False
     for p in params:
         if p is not None and p.dtype is not input.dtype:
             return _mixed_off_cuda(input, params)
-    return prefers_torch(type(input) is torch.Tensor and input.is_cuda, input.numel())
+    return policy == "torch" or prefers_torch(type(input) is torch.Tensor and input.is_cuda, input.numel())
 
 
 def _mixed_off_cuda(input: torch.Tensor, params) -> bool:

@@ -43,8 +43,10 @@ class Config:
     Attributes:
         policy: ``"auto"``: PyTorch's own ops serve CUDA calls where they make models faster
             (eager calls under 2^16 elements, 2^24 on the Python launch path, calls traced by
-            ``torch.compile``; see ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can.
-            [``CUDNORM_POLICY``]
+            ``torch.compile``; see ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can;
+            ``"torch"``: PyTorch's ops serve every call whose weights have the input's dtype, behind
+            cudnorm's functions and modules (the control that measures what those cost a model
+            step). [``CUDNORM_POLICY``]
         autotune: ``"auto"``: time candidate plans for large LayerNorm/RMSNorm forwards;
             ``"on"``: for every new graph; ``"off"``: never (the heuristics' first plan).
             [``CUDNORM_AUTOTUNE``: also ``1``/``true``/``yes``/``always`` and
@@ -89,7 +91,7 @@ class Config:
     """
 
     # defaults taken from a measurement (and bounds that were not): docs/performance.md, Decisions
-    policy: Literal["auto", "cudnn"] = "auto"
+    policy: Literal["auto", "cudnn", "torch"] = "auto"
     autotune: Literal["auto", "on", "off"] = "auto"
     autotune_candidates: int | Literal["all"] = 8
     fp32_weight_fwd: Literal["round", "native"] = "round"
@@ -186,7 +188,8 @@ def _names(values) -> str:
 _YES_NO = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 _FLAG_ENV = "1, true, yes, on or 0, false, no, off"
 OPTIONS: dict[str, _Option] = {
-    "policy": _Option("CUDNORM_POLICY", _names(("auto", "cudnn")), _choice("auto", "cudnn"), parse=str.lower),
+    "policy": _Option("CUDNORM_POLICY", _names(("auto", "cudnn", "torch")), _choice("auto", "cudnn", "torch"),
+                      parse=str.lower),
     "autotune": _Option(
         "CUDNORM_AUTOTUNE", _names(("auto", "on", "off")), _choice("auto", "on", "off"), parse=str.lower,
         words={**dict.fromkeys(("1", "true", "yes", "always"), "on"), **dict.fromkeys(("0", "false", "no", "never"), "off")},

@@ -73,7 +73,7 @@ def test_the_configuration_is_process_wide():
 
 @pytest.mark.parametrize("overrides, error, message", [
     ({"polcy": "auto"}, TypeError, "cudnorm.config: unknown option 'polcy'; the options are policy, autotune"),
-    ({"policy": "fastest"}, ValueError, "cudnorm.config: option 'policy' must be 'auto' or 'cudnn', got 'fastest'"),
+    ({"policy": "fastest"}, ValueError, "cudnorm.config: option 'policy' must be 'auto', 'cudnn' or 'torch', got 'fastest'"),
     ({"autotune": "1"}, ValueError, "option 'autotune' must be 'auto', 'on' or 'off', got '1'"),
     ({"autotune": True}, TypeError, "option 'autotune' must be 'auto', 'on' or 'off', got True"),
     ({"autotune_candidates": 0}, ValueError, "option 'autotune_candidates' must be an integer >= 1 or 'all', got 0"),
@@ -149,7 +149,7 @@ def test_environment_seeds_every_option():
 
 
 @pytest.mark.parametrize("variable, value, allowed, default", [
-    ("CUDNORM_POLICY", "fastest", "'auto' or 'cudnn'", "'auto'"),
+    ("CUDNORM_POLICY", "fastest", "'auto', 'cudnn' or 'torch'", "'auto'"),
     ("CUDNORM_AUTOTUNE", "maybe", "auto, on (1, true, yes, always) or off (0, false, no, never)", "'auto'"),
     ("CUDNORM_AUTOTUNE_CANDIDATES", "0", "an integer >= 1 or 'all'", "8"),
     ("CUDNORM_CACHE_SIZE", "abc", "an integer >= 1", "512"),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnorm
-from cudnorm import _native, _policy
+from cudnorm import _native, _policy, _runtime
 from cudnorm import reference as ref
 
 gpu = pytest.mark.gpu
@@ -43,8 +43,24 @@ def test_cudnn_policy_serves_nothing_to_torch():
     assert not _policy.torch_serves(torch.empty(2, 4))
 
 
+def test_torch_policy_sends_every_same_dtype_call_to_pytorch(monkeypatch):
+    """``policy="torch"``: PyTorch's ops at any size (the control for what cudnorm's Python
+    costs a patched model), in Python and in the arguments C++ gets."""
+    monkeypatch.setattr(_policy, "prefers_torch", lambda plain_cuda, numel: False)  # a large CUDA call under "auto"
+    x, w16, w32 = torch.empty(2, 4, dtype=BF16), torch.empty(4, dtype=BF16), torch.empty(4)
+    cudnorm.config(policy="torch")
+    assert _policy.torch_serves(x, w16, w16) and _policy.torch_serves(x, w32, None)
+    monkeypatch.setattr(_runtime, "route", lambda x: None)  # as for a CUDA tensor
+    assert cudnorm.serving_path("layer_norm", x).startswith("torch (policy 'torch'")
+    cudnorm.config(policy="auto")
+    assert not _policy.torch_serves(x, w16, w16)
+    assert _native.policy_arguments("torch") == (True, 1 << 62)
+    assert _native.policy_arguments("auto") == (True, _policy.NATIVE_CUDNN_MIN_ELEMENTS)
+    assert not _native.policy_arguments("cudnn")[0]
+
+
 def test_bad_policy_value_is_named():
-    with pytest.raises(ValueError, match="cudnorm.config: option 'policy' must be 'auto' or 'cudnn', got 'fastest'"):
+    with pytest.raises(ValueError, match="cudnorm.config: option 'policy' must be 'auto', 'cudnn' or 'torch', got 'fastest'"):
         cudnorm.config(policy="fastest")
 
 
@@ -151,6 +167,23 @@ def test_compiled_graph_holds_cudnorm_op_only_under_cudnn_policy():
 
 
 # ---------------------------------------------------------------- GPU: size and compile rules
+
+@gpu
+@pytest.mark.parametrize("native", ["auto", "off"])
+def test_torch_policy_builds_no_plan_at_any_size(fresh_cache, native):
+    cudnorm.config(policy="torch", native=native)
+    x = torch.randn(8, 1024, 1152, device="cuda", dtype=BF16, requires_grad=True)  # above both thresholds
+    w = torch.randn(1152, device="cuda", dtype=BF16, requires_grad=True)
+    mod = torch.randn(8, 2 * 1152, device="cuda", dtype=BF16, requires_grad=True)
+    scale, shift = mod.chunk(2, dim=1)
+    y = cudnorm.layer_norm(x, (1152,), w, w)
+    assert torch.equal(y, F.layer_norm(x, (1152,), w, w))
+    assert torch.equal(cudnorm.rms_norm(x, (1152,), w, 1e-6), F.rms_norm(x, (1152,), w, 1e-6))
+    cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True).sum().backward()
+    info = cudnorm.cache_info()
+    assert info.builds == 0 and info.misses == 0, info
+    assert cudnorm.serving_path("layer_norm", x).startswith("torch (policy 'torch'")
+
 
 @gpu
 def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):

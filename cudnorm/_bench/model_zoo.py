@@ -72,20 +72,23 @@ def _cudnorm_module(name: str):
 
 def norm_provider(provider: str) -> str:
     """The norms a provider's model is built with: ``cudnorm-cudnn`` is cudnorm's modules run
-    with every call on cuDNN and ``cudnorm-python`` the same on the Python launch path
-    (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in a second model, the
+    with every call on cuDNN, ``cudnorm-python`` the same on the Python launch path and
+    ``cudnorm-torch`` the same with every call on PyTorch's ops (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in a second model, the
     run's noise floor (its ratio to ``torch`` is 1.00x but for noise)."""
-    return {"cudnorm-cudnn": "cudnorm", "cudnorm-python": "cudnorm", "torch-again": "torch"}.get(provider, provider)
+    return {"cudnorm-cudnn": "cudnorm", "cudnorm-python": "cudnorm", "cudnorm-torch": "cudnorm",
+            "torch-again": "torch"}.get(provider, provider)
 
 
 # provider -> the cudnorm.config it runs under
-PROVIDER_CONFIG = {"cudnorm-cudnn": {"policy": "cudnn"}, "cudnorm-python": {"policy": "cudnn", "native": "off"}}
+PROVIDER_CONFIG = {"cudnorm-cudnn": {"policy": "cudnn"}, "cudnorm-python": {"policy": "cudnn", "native": "off"},
+                   "cudnorm-torch": {"policy": "torch"}}
 
 
 def provider_settings(provider: str):
     """A context manager for everything a provider's model runs (build, compile, steps):
     ``cudnorm-cudnn`` sets ``cudnorm.config(policy="cudnn")``, ``cudnorm-python`` also
-    ``native="off"`` (the Python launch path), the others change nothing. Compiled blocks keep
+    ``native="off"`` (the Python launch path), ``cudnorm-torch`` ``policy="torch"`` (cudnorm's
+    modules around PyTorch's kernels: what cudnorm's own Python costs), the others change nothing. Compiled blocks keep
     the policy of their tracing."""
     import contextlib  # noqa: PLC0415
 

@@ -69,10 +69,12 @@ BASE_COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "s
 COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit")
 # Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (policy="cudnn"),
 # the evidence for the default policy's choices (cudnorm._policy); cudnorm-python, the same
-# on the Python launch path (what the native one saves); torch-again, PyTorch's norms in a
+# on the Python launch path (what the native one saves); cudnorm-torch, cudnorm's modules with
+# every call on PyTorch's ops (policy="torch": what cudnorm's own Python costs a step);
+# torch-again, PyTorch's norms in a
 # second model instance, whose ratio to torch is the run's noise floor
 # limit: the real models with norms and modulation costing nothing (real_models.limit)
-PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "torch-again", "limit")
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "cudnorm-torch", "torch-again", "limit")
 DEFAULT_PROVIDERS = ("torch", "cudnorm", "liger")
 _ZOO_PROVIDERS = PROVIDERS[:-1]
 MODEL_PROVIDERS = {"dit": tuple(p for p in _ZOO_PROVIDERS if p != "liger"),  # Liger has no AdaLN
