@@ -39,6 +39,7 @@ from torch.nn.utils import parametrize
 
 from . import _patch_table, _warn
 from ._patch_table import qualified_name
+from ._diffusers_blocks import BLOCKS, GLOBAL_HOOKS
 from .diffusers import FUSED, why_not_fused
 from .layer_norm import layer_norm
 from .modules import LayerNorm, RMSNorm
@@ -207,6 +208,10 @@ _FORMULA_LIST = (
 )
 #: formula name -> :class:`Formula`: the names :func:`register` takes
 FORMULAS = {formula.name: formula for formula in _FORMULA_LIST}
+# whole diffusers blocks with their modulated norms fused (patch(..., blocks=True)), by class name
+_BLOCKS_BY_NAME = {qualified: Formula(f"{qualified.rpartition('.')[2]}_fused", block.forward, block.why_not)
+                   for qualified, block in BLOCKS.items()}
+_BLOCK_FORMULAS = {formula.name: formula for formula in _BLOCKS_BY_NAME.values()}
 
 # the registry: classes by object (torch's, and those register() was given) and by module-qualified name
 _BY_CLASS = {torch.nn.LayerNorm: FORMULAS["layer_norm"], torch.nn.RMSNorm: FORMULAS["rms_norm"]}
@@ -241,16 +246,20 @@ def _label(cls: type) -> str:
     return f"torch.nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else qualified_name(cls)
 
 
-def _formula_of(cls: type) -> tuple[Formula | None, str | None]:
+def _formula_of(cls: type, by_class: dict | None = None, by_name_table: dict | None = None
+                ) -> tuple[Formula | None, str | None]:
     """``(formula, None)`` for a class whose modules take a formula; ``(None, why)`` for a
     subclass of a registered class redefining its forward, or a class registered by name whose
     forward is no longer the one its class body defined (replaced by another patcher: the
-    registry's facts are about that body); ``(None, None)`` for any other class."""
+    registry's facts are about that body); ``(None, None)`` for any other class. The registries
+    default to the norms'."""
+    by_class = _BY_CLASS if by_class is None else by_class
+    by_name_table = _BY_NAME if by_name_table is None else by_name_table
     for base in cls.__mro__:
-        formula = _BY_CLASS.get(base)
+        formula = by_class.get(base)
         by_name = formula is None
         if by_name:
-            formula = _BY_NAME.get(qualified_name(base))
+            formula = by_name_table.get(qualified_name(base))
         if formula is None:
             continue
         own = vars(base)
@@ -297,20 +306,14 @@ def _why_not_instance(module: torch.nn.Module, formula: Formula) -> str | None:
 
 # ---------------------------------------------------------------- the patched classes
 
-# torch's module-global hook registries (dicts mutated in place, never rebound): module calls
-# run their hooks while any holds one
-_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
-    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
-
-
 def _forward_keeping_child_calls(formula: Formula) -> Callable:
     """``formula.forward``, or the class's original forward when a child it reads instead of
-    calling is observed: hooks on it, an instance ``forward`` (accelerate's offloading hook,
-    which must load its weights) or global module hooks, whose calls must happen as before.
-    The test is ``nn.Module.__call__``'s own (attribute and dict reads, no calls): it runs on
-    every call of every patched AdaLN module, and host-bound steps pay each microsecond."""
+    calling is observed (:func:`cudnorm._diffusers_blocks.observed`: hooks, an instance
+    ``forward``, global module hooks), whose calls must happen as before. It runs on every call
+    of every patched AdaLN module, and host-bound steps pay each microsecond: the test is
+    inlined here (no call; tests/test_patch_host_cost.py counts them)."""
     fused, reads = formula.forward, formula.reads
-    forward_hooks, forward_pre_hooks, backward_hooks, backward_pre_hooks = _GLOBAL_HOOKS
+    forward_hooks, forward_pre_hooks, backward_hooks, backward_pre_hooks = GLOBAL_HOOKS
 
     def forward(self, *args, **kwargs):
         children = self._modules
@@ -346,7 +349,7 @@ def _patched_class(cls: type, formula_name: str) -> type:
     """``cls`` with ``forward`` computing ``formula_name``; it keeps ``cls``'s name and module,
     so reprs, and code matching classes by name (accelerate's ``no_split_module_classes``)
     see the class they know."""
-    formula = FORMULAS[formula_name]
+    formula = FORMULAS.get(formula_name) or _BLOCK_FORMULAS[formula_name]
     return type(cls.__name__, (cls,), {
         "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
         "forward": _forward_keeping_child_calls(formula) if formula.reads else formula.forward,
@@ -382,21 +385,26 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _decide(module: torch.nn.Module) -> tuple[type | None, str | None]:
-    """``(patched class, None)``, ``(None, why it is left)`` or ``(None, None)`` (not a norm
-    this patch concerns: not norm-like, cudnorm's own, patched already)."""
+def _decide(module: torch.nn.Module, blocks: bool) -> tuple[type | None, str | None]:
+    """``(patched class, None)``, ``(None, why it is left)`` or ``(None, None)`` (not a module
+    this patch concerns: not norm-like, cudnorm's own, patched already, a block without
+    ``blocks`` or one with nothing to fuse)."""
     cls = type(module)
     # patched already (or a subclass of a patched class: FSDP2 wraps classes too), or cudnorm's own
     if hasattr(cls, "_cudnorm_formula") or cls.__module__.startswith("cudnorm"):
         return None, None
     formula, why = _formula_of(cls)
+    if formula is None and why is None and blocks:
+        formula, why = _formula_of(cls, {}, _BLOCKS_BY_NAME)
+        if formula is not None and formula.why_not(module) is not None:
+            return None, None  # a block whose norm type has no modulation to fuse: not a norm, not left
     if formula is None:
         return None, why or (_why_unknown(cls) if "Norm" in cls.__name__ else None)
     why = _why_not_instance(module, formula)
     return (None, why) if why is not None else (_patched_class(cls, formula.name), None)
 
 
-def patch(model: torch.nn.Module) -> PatchReport:
+def patch(model: torch.nn.Module, *, blocks: bool = False) -> PatchReport:
     """Run the norms inside ``model`` (``model`` itself included) on cudnorm, in place (see the
     module docstring): each registered norm module keeps its identity, parameters and hooks and
     gets a subclass of its class computing the same function on cudnorm's ops.
@@ -404,6 +412,10 @@ def patch(model: torch.nn.Module) -> PatchReport:
     Args:
         model: any ``nn.Module`` (a transformers ``PreTrainedModel``, a diffusers model, a
             plain PyTorch model, a single norm).
+        blocks: also swap the forward of diffusers' DiT/PixArt, SD3 and Flux transformer
+            blocks (:mod:`cudnorm._diffusers_blocks`), so that the modulation those blocks
+            apply after a plain LayerNorm runs fused with it; opt-in until GPU model steps
+            show it faster (docs/patching.md). Those blocks are listed in ``swapped`` too.
 
     Returns:
         A :class:`PatchReport`; ``print(report)`` summarises it. Outputs match the original
@@ -421,7 +433,7 @@ def patch(model: torch.nn.Module) -> PatchReport:
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) not in decided:
             try:
-                decided[id(module)] = (module, *_decide(module))
+                decided[id(module)] = (module, *_decide(module, blocks))
             except Exception as error:
                 raise RuntimeError(f"cudnorm.patch: deciding module '{name}' ({_label(type(module))}) raised "
                                    f"{type(error).__name__}: {error}; the model is unchanged") from error

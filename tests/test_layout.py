@@ -31,6 +31,7 @@ LAYERS = [
     ("ada_layer_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
     ("_info", "_native", "_sharding", "modules", "warmup"),
     ("diffusers",),
+    ("_diffusers_blocks",),  # whole diffusers blocks on diffusers' fused modulation
     ("patching",),
     ("__init__",),  # the package
 ]

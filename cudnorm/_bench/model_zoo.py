@@ -76,7 +76,7 @@ def norm_provider(provider: str) -> str:
     ``cudnorm-torch`` the same with every call on PyTorch's ops (:func:`provider_settings`); ``torch-again`` is PyTorch's norms in a second model, the
     run's noise floor (its ratio to ``torch`` is 1.00x but for noise)."""
     return {"cudnorm-cudnn": "cudnorm", "cudnorm-python": "cudnorm", "cudnorm-torch": "cudnorm",
-            "torch-again": "torch"}.get(provider, provider)
+            "cudnorm-blocks": "cudnorm", "torch-again": "torch"}.get(provider, provider)
 
 
 # provider -> the cudnorm.config it runs under

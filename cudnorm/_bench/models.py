@@ -74,9 +74,12 @@ COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit")
 # torch-again, PyTorch's norms in a
 # second model instance, whose ratio to torch is the run's noise floor
 # limit: the real models with norms and modulation costing nothing (real_models.limit)
-PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "cudnorm-torch", "torch-again", "limit")
+# cudnorm-blocks (real models only): cudnorm.patch(model, blocks=True), diffusers' blocks with
+# their modulated norms fused (cudnorm._diffusers_blocks)
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "cudnorm-torch", "torch-again",
+             "cudnorm-blocks", "limit")
 DEFAULT_PROVIDERS = ("torch", "cudnorm", "liger")
-_ZOO_PROVIDERS = PROVIDERS[:-1]
+_ZOO_PROVIDERS = tuple(p for p in PROVIDERS if p not in ("cudnorm-blocks", "limit"))
 MODEL_PROVIDERS = {"dit": tuple(p for p in _ZOO_PROVIDERS if p != "liger"),  # Liger has no AdaLN
                    "sd3": _ZOO_PROVIDERS, "flux": _ZOO_PROVIDERS, "llama": _ZOO_PROVIDERS, "gpt2": _ZOO_PROVIDERS}
 MODEL_PROVIDERS.update({name: spec.providers for name, spec in real_models.MODELS.items()})

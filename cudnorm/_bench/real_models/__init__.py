@@ -1,7 +1,7 @@
 """The models people run, in ``cudnorm bench --models``: diffusers' and transformers' own
 classes at their published widths (random weights, fewer layers), each provider a deep copy
 of one seeded model (:func:`provider_copy`): ``torch`` and ``torch-again`` unpatched,
-``cudnorm`` through ``cudnorm.patch``, ``liger`` with Liger's RMSNorm modules (Llama, Qwen3),
+``cudnorm`` through ``cudnorm.patch`` (``cudnorm-blocks`` with ``blocks=True``), ``liger`` with Liger's RMSNorm modules (Llama, Qwen3),
 ``limit`` with norms and AdaLN modulation costing nothing (:mod:`.limit`).
 
 Models (:data:`MODELS`; builders in :mod:`.diffusers_models` and :mod:`.transformers_models`):
@@ -131,7 +131,7 @@ def provider_copy(base: torch.nn.Module, provider: str) -> tuple[torch.nn.Module
     if kind == "cudnorm":
         import cudnorm  # noqa: PLC0415
 
-        report = cudnorm.patch(model)
+        report = cudnorm.patch(model, blocks=provider == "cudnorm-blocks")
         if report.left:
             left = sorted({cls.rpartition(".")[2] for _, cls, _ in report.left})
             return model, f"patch left {len(report.left)} ({', '.join(left)})"

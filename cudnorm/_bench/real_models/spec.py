@@ -11,7 +11,8 @@ import torch
 
 # the providers of a real model: unpatched, cudnorm.patch (also under policy "cudnn", and on
 # the Python launch path), Liger's RMSNorm modules, a second unpatched copy, norms costing nothing
-PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "cudnorm-torch", "torch-again", "limit")
+PROVIDERS = ("torch", "cudnorm", "liger", "cudnorm-cudnn", "cudnorm-python", "cudnorm-torch", "torch-again",
+             "cudnorm-blocks", "limit")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,213 @@
+"""Whole diffusers transformer blocks on cudnorm: ``cudnorm.patch(model, blocks=True)``.
+
+diffusers' DiT, PixArt, SD3 and Flux blocks normalise with a plain ``nn.LayerNorm`` and then
+modulate in the block's own forward, ``norm(h) * (1 + scale[:, None]) + shift[:, None]`` with
+per-sample chunks of the block's conditioning: a LayerNorm and two elementwise kernels forward,
+and their backward, where :func:`cudnorm.ada_layer_norm` is one op each way. Patching the norm
+module cannot reach that modulation; these forwards run the whole block, calling the same
+children in the same order, with each such norm and its modulation one fused op.
+
+* ``BasicTransformerBlock`` with ``norm_type="ada_norm_zero"`` (DiT: ``norm3`` and the MLP's
+  modulation) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
+  ``norm2`` with the MLP's, from ``scale_shift_table``);
+* ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
+* ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``).
+
+Everything else in each forward is the block's own computation, op for op; the fused op rounds
+once where the block's formula rounds three times (one rounding step of the activation dtype
+apart, as cudnorm's AdaLN modules are). A call the fused forward does not cover runs the
+block's own forward: a feed-forward chunk size, GLIGEN or a deprecated ``scale`` in the
+attention kwargs, a norm that is not a LayerNorm over the last dim, and a norm whose call is
+observed (hooks on it, an instance ``forward`` such as accelerate's offloading hook, or global
+module hooks), so those fire as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .diffusers import _modulated_layer_norm, _norm_kind
+
+# torch's module-global hook registries (dicts mutated in place, never rebound): module calls
+# run their hooks while any holds one
+GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+
+
+def observed(child: torch.nn.Module) -> bool:
+    """Whether a call of ``child`` is observed: hooks on it, an instance ``forward`` (accelerate's
+    offloading hook, which must load its weights) or global module hooks. A forward that reads
+    ``child``'s parameters instead of calling it must then call the original forward. The test is
+    ``nn.Module.__call__``'s own: attribute and dict reads, on every call."""
+    return bool(child._forward_hooks or child._forward_pre_hooks or child._backward_hooks
+                or child._backward_pre_hooks or "forward" in child.__dict__ or any(GLOBAL_HOOKS))
+
+
+def _fusable(*norms) -> bool:
+    """The norms a fused forward reads instead of calling: LayerNorms over the last dim, unobserved."""
+    return all(_norm_kind(norm) == "layer_norm" and not observed(norm) for norm in norms)
+
+
+def _modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``norm(x) * (1 + scale) + shift`` as one op, ``norm`` a LayerNorm read, not called;
+    ``scale``/``shift`` ``[B, 1, D]`` for ``x [B, S, D]``."""
+    return _modulated_layer_norm(x, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+# ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
+
+def _basic_fused_norms(block) -> tuple | None:
+    """The norms the fused forward reads for ``block``'s norm type, or None where it fuses none."""
+    if block.norm_type == "ada_norm_zero":
+        return (block.norm3,)
+    if block.norm_type == "ada_norm_single":
+        return block.norm1, block.norm2
+    return None
+
+
+def _basic_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                 timestep: torch.Tensor | None = None, cross_attention_kwargs: dict | None = None,
+                 class_labels: torch.Tensor | None = None, added_cond_kwargs: dict | None = None) -> torch.Tensor:
+    """``BasicTransformerBlock.forward``: ``hidden_states [B, S, D]`` -> ``[B, S, D]``."""
+    kwargs = cross_attention_kwargs or {}
+    norms = _basic_fused_norms(self)
+    if (norms is None or self.pos_embed is not None or self._chunk_size is not None or "gligen" in kwargs
+            or kwargs.get("scale") is not None or not _fusable(*norms)):
+        return self._cudnorm_unpatched.forward(
+            self, hidden_states, attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask, timestep=timestep,
+            cross_attention_kwargs=cross_attention_kwargs, class_labels=class_labels,
+            added_cond_kwargs=added_cond_kwargs)
+    zero = self.norm_type == "ada_norm_zero"
+    if zero:  # DiT: the AdaLN module returns the attention's input and the MLP's chunks [B, D]
+        h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+            hidden_states, timestep, class_labels, hidden_dtype=hidden_states.dtype)
+        gate_msa, gate_mlp = gate_msa.unsqueeze(1), gate_mlp.unsqueeze(1)
+        shift_mlp, scale_mlp = shift_mlp[:, None], scale_mlp[:, None]
+    else:  # PixArt: six chunks [B, 1, D] of the table plus the timestep embedding
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            self.scale_shift_table[None] + timestep.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
+        h = _modulated(self.norm1, hidden_states, scale_msa, shift_msa)
+    attn_output = self.attn1(h, encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
+                             attention_mask=attention_mask, **kwargs)
+    hidden_states = gate_msa * attn_output + hidden_states
+    if hidden_states.ndim == 4:
+        hidden_states = hidden_states.squeeze(1)
+    if self.attn2 is not None:  # cross-attention: PixArt's reads the residual stream as it is
+        h = self.norm2(hidden_states) if zero else hidden_states
+        hidden_states = self.attn2(h, encoder_hidden_states=encoder_hidden_states,
+                                   attention_mask=encoder_attention_mask, **kwargs) + hidden_states
+    h = _modulated(norms[-1], hidden_states, scale_mlp, shift_mlp)
+    hidden_states = gate_mlp * self.ff(h) + hidden_states
+    if hidden_states.ndim == 4:
+        hidden_states = hidden_states.squeeze(1)
+    return hidden_states
+
+
+def _why_not_basic(block) -> str | None:
+    norms = _basic_fused_norms(block)
+    if norms is None:
+        return f"norm_type {block.norm_type!r}: no modulation in the block's forward"
+    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
+# ---------------------------------------------------------------- JointTransformerBlock (SD3, SD3.5)
+
+def _joint_fused_norms(block) -> tuple:
+    return (block.norm2,) if block.context_pre_only else (block.norm2, block.norm2_context)
+
+
+def _joint_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                 joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``JointTransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text tokens
+    ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states or None, hidden_states)``."""
+    if self._chunk_size is not None or not _fusable(*_joint_fused_norms(self)):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
+                                               joint_attention_kwargs=joint_attention_kwargs)
+    kwargs = joint_attention_kwargs or {}
+    if self.use_dual_attention:
+        h, gate_msa, shift_mlp, scale_mlp, gate_mlp, h2, gate_msa2 = self.norm1(hidden_states, emb=temb)
+    else:
+        h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        c = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
+    attn_output, context_attn_output = self.attn(hidden_states=h, encoder_hidden_states=c, **kwargs)
+    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    if self.use_dual_attention:
+        hidden_states = hidden_states + gate_msa2.unsqueeze(1) * self.attn2(hidden_states=h2, **kwargs)
+    h = _modulated(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None])
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
+    if self.context_pre_only:  # the last block: the text stream ends here
+        return None, hidden_states
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
+    return encoder_hidden_states, hidden_states
+
+
+def _why_not_joint(block) -> str | None:
+    if not all(_norm_kind(norm) == "layer_norm" for norm in _joint_fused_norms(block)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
+# ---------------------------------------------------------------- FluxTransformerBlock (Flux.1)
+
+def _flux_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxTransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text tokens
+    ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states, hidden_states)``."""
+    if not _fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
+                                               image_rotary_emb=image_rotary_emb,
+                                               joint_attention_kwargs=joint_attention_kwargs)
+    h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
+    outputs = self.attn(hidden_states=h, encoder_hidden_states=c, image_rotary_emb=image_rotary_emb,
+                        **(joint_attention_kwargs or {}))
+    attn_output, context_attn_output = outputs[0], outputs[1]  # a third: IP-Adapter's attention
+    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    h = _modulated(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None])
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
+    if len(outputs) == 3:
+        hidden_states = hidden_states + outputs[2]
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _why_not_flux(block) -> str | None:
+    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm2, block.norm2_context)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
+# ---------------------------------------------------------------- the table
+
+class Block(NamedTuple):
+    """How a diffusers block class runs with its modulated norms fused: ``forward(block, ...)``
+    and ``why_not(block)`` (why an instance cannot, or None)."""
+
+    forward: Callable
+    why_not: Callable[[torch.nn.Module], str | None]
+
+
+_ATTENTION = "diffusers.models.attention"
+#: diffusers block class (module-qualified name) -> how it runs (``cudnorm.patch(..., blocks=True)``)
+BLOCKS = {
+    f"{_ATTENTION}.BasicTransformerBlock": Block(_basic_block, _why_not_basic),
+    f"{_ATTENTION}.JointTransformerBlock": Block(_joint_block, _why_not_joint),
+    "diffusers.models.transformers.transformer_flux.FluxTransformerBlock": Block(_flux_block, _why_not_flux),
+}

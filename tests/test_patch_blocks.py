@@ -1,0 +1,162 @@
+"""``cudnorm.patch(model, blocks=True)`` (cudnorm._diffusers_blocks): diffusers' DiT, PixArt, SD3
+and Flux blocks with each plain LayerNorm and the modulation after it fused into one op. The
+tiny models of tests/test_patching.py: the blocks swapped on request only, the fused op taking
+every modulated norm, outputs and gradients equal to the unpatched model's in fp32 (CPU, and
+the cuDNN path's code on emulated graphs), bf16 within the 2x-PyTorch-error rule, the block's
+own forward where a call is not covered (hooks on a norm it reads, a feed-forward chunk size),
+copies and checkpoints as before."""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _diffusers_blocks as blocks_mod
+from cudnorm import reference as ref
+from test_patching import (COMPILED_F32_TOL, DEVICES, F32_TOL, _assert_grads_close, _bf16, _build, _dit, _flux, _on, _output,
+                           _output_and_grads, _pixart, _sd3)
+
+ATTENTION = "diffusers.models.attention"
+FLUX = "diffusers.models.transformers.transformer_flux"
+# family -> (its tiny model, the block class and count swapped, modulated norms fused per forward)
+BLOCK_FAMILIES = {
+    "dit": (_dit, (f"{ATTENTION}.BasicTransformerBlock", 2), 2),  # norm3 of each block
+    "pixart": (_pixart, (f"{ATTENTION}.BasicTransformerBlock", 2), 4),  # norm1 and norm2 of each block
+    "sd3": (_sd3, (f"{ATTENTION}.JointTransformerBlock", 2), 3),  # norm2 twice, norm2_context once (the last block has none)
+    "flux": (_flux, (f"{FLUX}.FluxTransformerBlock", 1), 2),  # norm2 and norm2_context
+}
+
+
+def _counting(monkeypatch) -> list:
+    """Count the fused modulated norms the block forwards run."""
+    calls, fused = [], blocks_mod._modulated
+
+    def counted(*args):
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr(blocks_mod, "_modulated", counted)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_fused_blocks_match_the_unpatched_model(family, device, monkeypatch):
+    make, (block_class, block_count), fused_per_forward = BLOCK_FAMILIES[family]
+    tiny = make()
+    with _on(device) as device:
+        inputs = {k: v.to(device) for k, v in tiny.inputs.items()}
+        base = _build(tiny).to(device)
+        want, want_grads = _output_and_grads(base, inputs)
+        model = copy.deepcopy(base)
+        report = cudnorm.patch(model, blocks=True)
+        swapped = Counter((cls, formula) for _, cls, formula in report.swapped)
+        assert swapped[(block_class, f"{block_class.rpartition('.')[2]}_fused")] == block_count, report
+        assert swapped - Counter({(block_class, f"{block_class.rpartition('.')[2]}_fused"): block_count}) == Counter(
+            tiny.swaps)  # the norms as without blocks
+        calls = _counting(monkeypatch)
+        got, got_grads = _output_and_grads(model, inputs)
+        assert len(calls) == fused_per_forward
+        assert got.dtype == want.dtype and ref.rel_error(got, want) <= F32_TOL
+        _assert_grads_close(got_grads, want_grads)
+        tiny.make().load_state_dict(model.state_dict(), strict=True)  # the checkpoint is the original class's
+        with torch.no_grad():  # a copy (what the bench makes of each provider) runs the same
+            assert ref.rel_error(_output(copy.deepcopy(model), inputs), got) <= F32_TOL
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_fused_blocks_bf16_meet_the_error_rule(family):
+    make = BLOCK_FAMILIES[family][0]
+    tiny = make()
+    base = _bf16(_build(tiny))
+    exact = copy.deepcopy(base).to(torch.float64)
+    patched = copy.deepcopy(base)
+    cudnorm.patch(patched, blocks=True)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in tiny.inputs.items()}
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() and not k.endswith("_ids") else v
+            for k, v in tiny.inputs.items()}
+    with torch.no_grad():
+        want, theirs, ours = _output(exact, wide), _output(base, half), _output(patched, half)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert ref.rel_error(ours, want) <= ref.error_bound(ref.rel_error(theirs, want), torch.bfloat16)
+
+
+def test_blocks_are_swapped_on_request_only():
+    model = _build(_dit())
+    cudnorm.patch(model)
+    assert not any(hasattr(type(block), "_cudnorm_formula") for block in model.transformer_blocks)
+    report = cudnorm.patch(model, blocks=True)  # later, on request: the blocks only
+    assert [formula for _, _, formula in report.swapped] == ["BasicTransformerBlock_fused"] * 2
+
+
+@pytest.mark.parametrize("family", ["dit", "sd3"])
+def test_calls_the_fused_forward_does_not_cover_run_the_blocks_own(family, monkeypatch):
+    """A hook on a norm the fused forward reads, and a feed-forward chunk size: the block's own
+    forward runs (the hook fires), with the same result."""
+    tiny = BLOCK_FAMILIES[family][0]()
+    base = _build(tiny)
+    with torch.no_grad():
+        want = _output(base, tiny.inputs)
+    model = copy.deepcopy(base)
+    cudnorm.patch(model, blocks=True)
+    calls = _counting(monkeypatch)
+    first = model.transformer_blocks[0]
+    seen = []
+    handle = first.norm2.register_forward_hook(lambda *a: seen.append(1)) if family == "sd3" else (
+        first.norm3.register_forward_hook(lambda *a: seen.append(1)))
+    with torch.no_grad():
+        assert ref.rel_error(_output(model, tiny.inputs), want) <= F32_TOL
+    assert seen == [1] and len(calls) == BLOCK_FAMILIES[family][2] - (2 if family == "sd3" else 1)
+    handle.remove()
+    for block in model.transformer_blocks:
+        block.set_chunk_feed_forward(1, dim=1)
+    calls.clear()
+    with torch.no_grad():
+        assert ref.rel_error(_output(model, tiny.inputs), want) <= F32_TOL
+    assert calls == []
+
+
+def test_observed_reads_hooks_and_instance_forwards():
+    norm = torch.nn.LayerNorm(8)
+    assert not blocks_mod.observed(norm)
+    handle = norm.register_forward_pre_hook(lambda *a: None)
+    assert blocks_mod.observed(norm)
+    handle.remove()
+    norm.forward = norm.forward  # an instance forward, as accelerate's hook sets one
+    assert blocks_mod.observed(norm)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert blocks_mod.observed(torch.nn.LayerNorm(8))
+    finally:
+        handle.remove()
+
+
+@pytest.mark.slow  # torch.compile on the CPU
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_compiled_fused_block_matches_eager(family):
+    """``torch.compile(fullgraph=True)`` traces the fused block forward (aot_eager on the CPU,
+    as tests/test_patching.py compiles patched blocks) and computes what it does eagerly."""
+    tiny = BLOCK_FAMILIES[family][0]()
+    model = _build(tiny)
+    cudnorm.patch(model, blocks=True)
+    layer, call, width = tiny.block(model)
+    h = torch.randn(2, 8, width, requires_grad=True)
+
+    def loss(h):
+        out = call(h)
+        return sum(o.float().square().mean() for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
+
+    params = dict(layer.named_parameters())
+    torch._dynamo.reset()
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(h)
+    got_grads = torch.autograd.grad(got, [h, *params.values()], allow_unused=True)
+    torch._dynamo.reset()
+    want = loss(h)
+    want_grads = torch.autograd.grad(want, [h, *params.values()], allow_unused=True)
+    assert ref.rel_error(got, want) <= F32_TOL
+    names = ["input", *params]
+    assert [n for n, g in zip(names, got_grads) if g is None] == [n for n, g in zip(names, want_grads) if g is None]
+    _assert_grads_close({n: g for n, g in zip(names, got_grads) if g is not None},
+                        {n: g for n, g in zip(names, want_grads) if g is not None}, COMPILED_F32_TOL)
