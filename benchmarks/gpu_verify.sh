@@ -3,7 +3,7 @@
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
-#         notebooks notebooks-store host api autotune bench-ln bench-rms ada rows
+#         notebooks notebooks-store host api autotune bench-ln bench-rms ada rows real-diffusers real-transformers
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
 # the tests marked `alone` run after them, in one process.
@@ -13,6 +13,8 @@
 # dist-steps: NPROC ranks (default 2, one GPU each; NPROC=1 runs the same script on one GPU).
 # dist-steps-dit: diffusers' DiT-XL/2 at full depth (28 blocks, B 32 per rank, 256 px) under FSDP2 over NPROC ranks
 #   (default 4), rows appended to OUT/distributed_steps.csv beside dist-steps'.
+# real-diffusers: the four diffusers models patched by default, with blocks=True and under policy="torch" (the
+#   control for cudnorm's own Python), beside PyTorch again and the limit; real-transformers: Llama/Qwen3 widths.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -72,6 +74,10 @@ PY
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
+    real-diffusers) timeout 560 python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \
+                      --providers torch,cudnorm,cudnorm-blocks,cudnorm-torch,torch-again,limit 2>&1 | tail -40 ;;
+    real-transformers) timeout 400 python3 -m cudnorm.cli bench --models transformers- --out "$out/real-transformers" \
+                      --providers torch,cudnorm,cudnorm-torch,torch-again,limit,liger 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
