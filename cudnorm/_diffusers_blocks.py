@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from .diffusers import _modulated_layer_norm, _norm_kind
+from .ada_layer_norm import ada_layer_norm
+from .diffusers import _modulated_layer_norm, _norm_kind, layer_norm_class
 
 # torch's module-global hook registries (dicts mutated in place, never rebound): module calls
 # run their hooks while any holds one
@@ -46,15 +47,35 @@ def observed(child: torch.nn.Module) -> bool:
                 or child._backward_pre_hooks or "forward" in child.__dict__ or any(GLOBAL_HOOKS))
 
 
+_LAYER_NORM_CLASSES: dict[type, bool] = {}  # class -> layer_norm_class(class), memoised
+
+
 def _fusable(*norms) -> bool:
-    """The norms a fused forward reads instead of calling: LayerNorms over the last dim, unobserved."""
-    return all(_norm_kind(norm) == "layer_norm" and not observed(norm) for norm in norms)
+    """The norms a fused forward reads instead of calling: LayerNorms over the last dim
+    (:func:`cudnorm.diffusers.layer_norm_class`, memoised: this runs on every call of every
+    block), unobserved."""
+    for norm in norms:
+        cls = type(norm)
+        known = _LAYER_NORM_CLASSES.get(cls)
+        if known is None:
+            known = _LAYER_NORM_CLASSES[cls] = layer_norm_class(cls)
+        if not known or len(norm.normalized_shape) != 1 or observed(norm):
+            return False
+    return True
 
 
 def _modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``norm(x) * (1 + scale) + shift`` as one op, ``norm`` a LayerNorm read, not called;
-    ``scale``/``shift`` ``[B, 1, D]`` for ``x [B, S, D]``."""
-    return _modulated_layer_norm(x, scale, shift, norm.eps, norm.weight, norm.bias)
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` as one op for ``x [B, S, D]`` and
+    per-sample chunks ``scale``/``shift`` ``[B, D]`` (or ``[B, 1, D]``), ``norm`` a LayerNorm
+    read, not called. The blocks' own case (no affine parameters, one dtype) goes straight to
+    :func:`cudnorm.ada_layer_norm`; any other, :func:`cudnorm.diffusers._modulated_layer_norm`."""
+    weight, bias, b, d = norm.weight, norm.bias, x.shape[0], x.shape[-1]
+    if (weight is None and bias is None and x.dtype is scale.dtype and shift.dtype is scale.dtype and x.dim() == 3
+            and scale.shape[0] == b and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape):
+        return ada_layer_norm(x, scale, shift, norm.eps, one_plus_scale=True)
+    if scale.dim() == 2:  # diffusers' formula indexes [B, D] chunks as [B, 1, D]
+        scale, shift = scale[:, None], shift[:, None]
+    return _modulated_layer_norm(x, scale, shift, norm.eps, weight, bias)
 
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
@@ -87,7 +108,6 @@ def _basic_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
         h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
             hidden_states, timestep, class_labels, hidden_dtype=hidden_states.dtype)
         gate_msa, gate_mlp = gate_msa.unsqueeze(1), gate_mlp.unsqueeze(1)
-        shift_mlp, scale_mlp = shift_mlp[:, None], scale_mlp[:, None]
     else:  # PixArt: six chunks [B, 1, D] of the table plus the timestep embedding
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
             self.scale_shift_table[None] + timestep.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
@@ -143,12 +163,12 @@ def _joint_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     if self.use_dual_attention:
         hidden_states = hidden_states + gate_msa2.unsqueeze(1) * self.attn2(hidden_states=h2, **kwargs)
-    h = _modulated(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None])
+    h = _modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
     if self.context_pre_only:  # the last block: the text stream ends here
         return None, hidden_states
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
-    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
     return encoder_hidden_states, hidden_states
 
@@ -176,12 +196,12 @@ def _flux_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.
                         **(joint_attention_kwargs or {}))
     attn_output, context_attn_output = outputs[0], outputs[1]  # a third: IP-Adapter's attention
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
-    h = _modulated(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None])
+    h = _modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
     if len(outputs) == 3:
         hidden_states = hidden_states + outputs[2]
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
-    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

@@ -552,11 +552,17 @@ _MIRRORS = {cls.__name__: cls for cls in (AdaLayerNorm, AdaLayerNormContinuous, 
                                           AdaLayerNormZeroSingle, SD35AdaLayerNormZeroX)}
 
 
+def layer_norm_class(cls: type) -> bool:
+    """Whether ``cls`` is ``nn.LayerNorm`` or diffusers' ``FP32LayerNorm`` (the same function in
+    fp32), or ``cudnorm.patch``'s subclass of one (it names its original in ``_cudnorm_unpatched``)."""
+    cls = getattr(cls, "_cudnorm_unpatched", cls)
+    return cls is torch.nn.LayerNorm or qualified_name(cls) == f"{_NORMALIZATION}.FP32LayerNorm"
+
+
 def _norm_kind(norm) -> str | None:
-    """``"layer_norm"``, ``"rms_norm"`` (see :class:`Fused`) or None. A norm ``cudnorm.patch``
-    swapped already names its original class in ``_cudnorm_unpatched``."""
+    """``"layer_norm"``, ``"rms_norm"`` (see :class:`Fused`) or None."""
     cls = getattr(type(norm), "_cudnorm_unpatched", type(norm))
-    if cls is torch.nn.LayerNorm or qualified_name(cls) == f"{_NORMALIZATION}.FP32LayerNorm":
+    if layer_norm_class(cls):
         return "layer_norm" if len(norm.normalized_shape) == 1 else None
     if qualified_name(cls) == f"{_NORMALIZATION}.RMSNorm" and norm.bias is None and len(norm.dim) == 1:
         return "rms_norm"

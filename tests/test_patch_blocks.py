@@ -160,3 +160,24 @@ def test_compiled_fused_block_matches_eager(family):
     assert [n for n, g in zip(names, got_grads) if g is None] == [n for n, g in zip(names, want_grads) if g is None]
     _assert_grads_close({n: g for n, g in zip(names, got_grads) if g is not None},
                         {n: g for n, g in zip(names, want_grads) if g is not None}, COMPILED_F32_TOL)
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_fused_block_runs_no_more_python_than_the_patched_one(family):
+    """Python calls of one block call (tests/test_patch_host_cost.py's count): the fused forward
+    replaces each norm's module call and the two ops after it, and adds no calls of its own
+    beyond those (host-bound steps pay each one in every block)."""
+    from test_patch_host_cost import _python_calls
+
+    tiny = BLOCK_FAMILIES[family][0]()
+    base = _build(tiny)
+    counts = []
+    for blocks in (False, True):
+        model = copy.deepcopy(base)
+        cudnorm.patch(model, blocks=blocks)
+        _, call, width = tiny.block(model)
+        h = torch.randn(2, 8, width)
+        with torch.no_grad():
+            call(h)
+            counts.append(_python_calls(lambda: call(h)))
+    assert counts[1] <= counts[0], counts
