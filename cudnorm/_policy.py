@@ -37,10 +37,13 @@ CUDA (its forward rounds the weights as cuDNN reads them, and its weight gradien
 fp32). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op, as rule 1
 has it: results and cost are PyTorch's (cudnorm's own fp32 path cost up to 4.5x PyTorch's time
 on a CPU, its Python autograd node a fixed 15-40 us; docs/performance.md, Decisions), so a
-patched model on a CPU computes what the unpatched one does. PyTorch's CPU LayerNorm
-backward sums the dW/dB of half-precision input in that precision (bf16, 256-4096 rows:
-1.3-5% error); ``policy="cudnn"`` keeps cudnorm's fp32 sums on a CPU. ``policy="cudnn"`` sends every call to cudnorm's own
-path: cuDNN wherever it can serve (benchmarks and tests of that path use it).
+patched model's LayerNorms on a CPU compute what the unpatched ones do (RMSNorm: ATen's fused
+kernel, :func:`cudnorm._norm.torch_rms_norm`). PyTorch's CPU LayerNorm backward sums the
+dW/dB of half-precision input in that precision (bf16, 256-4096 rows: 1.3-5% error);
+``policy="cudnn"`` keeps cudnorm's fp32 sums on a CPU.
+
+``policy="cudnn"`` sends every call to cudnorm's own path: cuDNN wherever it can serve
+(benchmarks and tests of that path use it).
 ``policy="torch"`` sends every call whose weights have the input's dtype to PyTorch's ops
 through cudnorm's functions and modules, at any size: a model patched by :func:`cudnorm.patch`
 then runs PyTorch's kernels plus cudnorm's own Python, which that control measures. Where a
