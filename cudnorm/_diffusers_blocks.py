@@ -47,19 +47,12 @@ def observed(child: torch.nn.Module) -> bool:
                 or child._backward_pre_hooks or "forward" in child.__dict__ or any(GLOBAL_HOOKS))
 
 
-_LAYER_NORM_CLASSES: dict[type, bool] = {}  # class -> layer_norm_class(class), memoised
-
-
 def _fusable(*norms) -> bool:
     """The norms a fused forward reads instead of calling: LayerNorms over the last dim
-    (:func:`cudnorm.diffusers.layer_norm_class`, memoised: this runs on every call of every
-    block), unobserved."""
+    (:func:`cudnorm.diffusers.layer_norm_class`: ``nn.LayerNorm``'s is an identity test, on
+    every call of every block), unobserved."""
     for norm in norms:
-        cls = type(norm)
-        known = _LAYER_NORM_CLASSES.get(cls)
-        if known is None:
-            known = _LAYER_NORM_CLASSES[cls] = layer_norm_class(cls)
-        if not known or len(norm.normalized_shape) != 1 or observed(norm):
+        if not layer_norm_class(type(norm)) or len(norm.normalized_shape) != 1 or observed(norm):
             return False
     return True
 
