@@ -15,8 +15,8 @@ import torch
 import cudnorm
 from cudnorm import _diffusers_blocks as blocks_mod
 from cudnorm import reference as ref
-from test_patching import (COMPILED_F32_TOL, DEVICES, F32_TOL, _assert_grads_close, _bf16, _build, _dit, _flux, _on, _output,
-                           _output_and_grads, _pixart, _sd3)
+from test_patching import (DEVICES, F32_TOL, _assert_grads_close, _bf16, _build, _compiled_matches_eager, _dit,
+                           _flux, _on, _output, _output_and_grads, _pixart, _sd3)
 
 ATTENTION = "diffusers.models.attention"
 FLUX = "diffusers.models.transformers.transformer_flux"
@@ -136,30 +136,9 @@ def test_observed_reads_hooks_and_instance_forwards():
 @pytest.mark.slow  # torch.compile on the CPU
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_compiled_fused_block_matches_eager(family):
-    """``torch.compile(fullgraph=True)`` traces the fused block forward (aot_eager on the CPU,
-    as tests/test_patching.py compiles patched blocks) and computes what it does eagerly."""
-    tiny = BLOCK_FAMILIES[family][0]()
-    model = _build(tiny)
-    cudnorm.patch(model, blocks=True)
-    layer, call, width = tiny.block(model)
-    h = torch.randn(2, 8, width, requires_grad=True)
-
-    def loss(h):
-        out = call(h)
-        return sum(o.float().square().mean() for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
-
-    params = dict(layer.named_parameters())
-    torch._dynamo.reset()
-    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(h)
-    got_grads = torch.autograd.grad(got, [h, *params.values()], allow_unused=True)
-    torch._dynamo.reset()
-    want = loss(h)
-    want_grads = torch.autograd.grad(want, [h, *params.values()], allow_unused=True)
-    assert ref.rel_error(got, want) <= F32_TOL
-    names = ["input", *params]
-    assert [n for n, g in zip(names, got_grads) if g is None] == [n for n, g in zip(names, want_grads) if g is None]
-    _assert_grads_close({n: g for n, g in zip(names, got_grads) if g is not None},
-                        {n: g for n, g in zip(names, want_grads) if g is not None}, COMPILED_F32_TOL)
+    """``torch.compile(fullgraph=True)`` traces the fused block forward (aot_eager on the CPU)
+    and computes what it does eagerly: tests/test_patching.py's check, blocks patched."""
+    _compiled_matches_eager(BLOCK_FAMILIES[family][0](), "cpu", blocks=True)
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)

@@ -512,9 +512,9 @@ def test_compiled_patched_block_matches_eager(family, device):
         _compiled_matches_eager(FAMILIES[family](), device)
 
 
-def _compiled_matches_eager(tiny, device):
+def _compiled_matches_eager(tiny, device, blocks=False):
     model = _build(tiny).to(device)
-    cudnorm.patch(model)
+    cudnorm.patch(model, blocks=blocks)
     layer, call, width = tiny.block(model)
     h = torch.randn(B, 8, width, device=device, requires_grad=True)
     params = dict(layer.named_parameters())
