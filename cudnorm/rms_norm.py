@@ -82,7 +82,7 @@ def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -
     if eps is None:
         eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 0.0
     n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight}, eps)
-    if weight_offset:
+    if type(weight_offset) is not float or weight_offset:  # 0.0, the default, needs no check
         weight_offset = _checks.check_offset(_OP, weight_offset)
     if residual is not None:
         _checks.check_residual(_OP, residual, input)
@@ -92,7 +92,8 @@ def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -
 def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
     """:func:`rms_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
-    if residual is None and weight_offset == 0.0 and (eps is None or type(eps) is float and 0.0 <= eps < math.inf):
+    if (residual is None and type(weight_offset) in (float, int) and weight_offset == 0
+            and (eps is None or type(eps) is float and 0.0 <= eps < math.inf)):
         # PyTorch's op first where the policy prefers it, as in cudnorm.layer_norm: the checks run
         # only where it raised, to name the mistake (not on meta tensors)
         try:

@@ -71,6 +71,9 @@ MISTAKES = {
     "rms_norm, weight_offset nan": (
         lambda x, p: cudnorm.rms_norm(x, (D,), torch.ones(D, device=x.device, dtype=p), weight_offset=float("nan")),
         ValueError, "cudnorm.rms_norm: argument 'weight_offset'"),
+    "rms_norm, weight_offset a tensor": (
+        lambda x, p: cudnorm.rms_norm(x, (D,), torch.ones(D, device=x.device, dtype=p), weight_offset=torch.zeros(3)),
+        TypeError, "cudnorm.rms_norm: argument 'weight_offset'"),
     "ada_layer_norm, scale of another batch": (
         lambda x, p: cudnorm.ada_layer_norm(x, torch.ones(3, D, device=x.device, dtype=p),
                                             torch.ones(2, D, device=x.device, dtype=p)),
