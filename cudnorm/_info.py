@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from . import _cache, _entry, _graphs, _lru, _plan_store, _policy, _runtime, _settings
+from . import _cache, _decisions, _entry, _graphs, _lru, _plan_store, _policy, _runtime, _settings
 from ._cache import CacheInfo
 from ._version import __version__
 
@@ -34,9 +34,10 @@ def cache_info() -> CacheInfo:
 
 def clear_cache() -> None:
     """Empty every cache of the package (:func:`cudnorm._lru.registry`: plans, memos, the
-    row-count history of the chunking policy), zero the plan counters and drop this
-    thread's cached workspaces (the on-disk store is untouched)."""
+    row-count history of the chunking policy, this process's measured decisions), zero the plan
+    counters and drop this thread's cached workspaces (the on-disk store is untouched)."""
     _lru.clear_all()
+    _decisions.forget()
     _cache.plans.clear()  # also zeroes its counters
     _runtime.release_workspaces()
 
@@ -87,7 +88,22 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     elif reason is None and _policy.torch_serves(input):
         reason = (f"{'traced by torch.compile' if torch.compiler.is_compiling() else 'small call'}: "
                   f"policy 'auto', {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")
+    if reason is None and op != "ada_layer_norm" and input.dim() and input.numel():
+        # the measured decision of the call's signature (weights of the input's dtype), made now if need be
+        weight = input.new_empty(input.shape[-1:])
+        training = torch.is_grad_enabled() and input.requires_grad
+        serves = _decisions.serves(op, input, input.shape[-1], weight, weight if op == "layer_norm" else None, training)
+        if serves != "cudnn":
+            return f"{serves} ({_decisions.explain(op, input, weight, training)})"
     return _path(reason)
+
+
+def serving_decisions() -> list[dict]:
+    """The measured decisions of this process (:mod:`cudnorm._decisions`): one dict per call
+    signature with ``signature`` (op/phase/dtypes/width/row bucket), ``serves`` (``"cudnn"``,
+    ``"torch"`` or ``"kernel"``), ``source`` (``measured``, ``stored``, ``prior``, ...), ``ms``
+    (the measured ms per call of each candidate) and ``prior_ms``."""
+    return _decisions.decisions()
 
 
 def _native_status() -> str:
@@ -124,6 +140,9 @@ def info() -> dict:
     out["native"] = _native_status()
     out["native_build"] = _entry.status()["build"]  # read from the build cache: built here even before the first CUDA call
     out["paths"] = {op: serving_path(op) for op in OPS}
+    out["decisions"] = {"this process": len(_decisions.decisions()),
+                        "in the plan store": _plan_store.current_store().info()["decisions"],
+                        "prior": _decisions.prior_file() if torch.cuda.is_available() else "none (no CUDA device)"}
     out["config"] = dataclasses.asdict(_settings.current)
     # the directory in use, as `cudnorm cache info` shows it (None in the Config means the default one)
     out["config"]["plan_store_dir"] = str(_plan_store.current_store().root)

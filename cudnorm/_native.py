@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_kernel, _ada_strategies, _cache, _dispatch, _entry, _fused_add, _graphs, _norm, _ops, _recording,
-               _rows, _runtime, _settings, _warn)
+from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm, _ops,
+               _recording, _rows, _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -339,6 +339,7 @@ def activate() -> bool:
         _cache.plans.on_evict(forget)
         _rows.on_reset(forget)
         _recording.listeners.append(_sync)
+        _decisions.listeners.append(forget)
         _sync()
         return _entry.native
 
@@ -360,13 +361,14 @@ def _sync() -> None:
     _entry.native = serve
 
 
-def policy_arguments(policy: str) -> tuple[bool, int]:
-    """``(policy_auto, cudnn_min_elements)`` for C++'s ``configure``: under ``"auto"`` same-dtype
-    calls below the threshold run PyTorch's op; under ``"torch"`` every same-dtype call does
-    (a threshold no tensor reaches); under ``"cudnn"`` none."""
+def policy_arguments(policy: str) -> tuple[bool, int, bool]:
+    """``(policy_auto, cudnn_min_elements, measured)`` for C++'s ``configure``: under ``"auto"``
+    same-dtype calls below the threshold run PyTorch's op and larger ones take the measured
+    decision of their signature (:mod:`cudnorm._decisions`); under ``"torch"`` every same-dtype
+    call runs PyTorch's op (a threshold no tensor reaches); under ``"cudnn"`` none does."""
     if policy == "cudnn":
-        return False, 0
-    return True, _policy_min_elements() if policy == "auto" else 1 << 62
+        return False, 0, False
+    return (True, _policy_min_elements(), True) if policy == "auto" else (True, 1 << 62, False)
 
 
 def _policy_min_elements() -> int:
@@ -376,7 +378,8 @@ def _policy_min_elements() -> int:
 
 
 def forget() -> None:
-    """Empty the C++ recipe table (plans were evicted or the caches cleared)."""
+    """Empty the C++ recipe and decision tables (plans were evicted, decisions forgotten or the
+    caches cleared)."""
     if _state.status == "active":
         torch.ops.cudnorm_native.clear()
 
@@ -528,6 +531,16 @@ def _resolve_ada_backward(x2: torch.Tensor, ints, floats) -> list[int]:
     return _recipe(PYTHON)
 
 
+_SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h ("kernel": Python runs it)
+
+
+def _serve(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> list[int]:
+    """``[server, kept]`` for a call signature C++'s decision table lacks (decisions.cpp):
+    :func:`cudnorm._decisions.server`'s answer, and whether C++ may keep it."""
+    choice, kept = _decisions.server_kept(op, input, cols, weight, bias, training)
+    return [_SERVERS[choice], int(kept)]
+
+
 _RESOLVERS = {"norm_fwd": _resolve_norm_forward, "norm_bwd": _resolve_norm_backward,
               "ada_fwd": _resolve_ada_forward, "ada_bwd": _resolve_ada_backward}
 
@@ -625,6 +638,8 @@ def _define_callbacks() -> None:
     lib = _ops.LIBRARY
     lib.define("_resolve_py(str kind, Tensor x, int[] ints, float[] floats) -> int[]")
     lib.impl("_resolve_py", resolve, "CompositeExplicitAutograd")
+    lib.define("_serve_py(str op, Tensor input, int cols, Tensor? weight, Tensor? bias, bool training) -> int[]")
+    lib.impl("_serve_py", _serve, "CompositeExplicitAutograd")
     lib.define("_kernel_py(str name, Tensor?[] tensors, float[] scalars) -> Tensor[]")
     lib.impl("_kernel_py", _kernel, "CompositeExplicitAutograd")
     lib.define("_composite_py(str name, Tensor?[] tensors, float[] scalars, SymInt[] shape) -> Tensor[]")

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from . import _graphs, _runtime, _settings, _warn
 from ._spec import NormSpec
 from ._version import __version__
@@ -48,6 +50,7 @@ FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<8sII")  # magic, format version, header length
 _MAX_HEADER_BYTES = 1 << 20
 _SUFFIX = ".plan"
+_DECISION_SUFFIX = ".decision"
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
 
@@ -240,6 +243,63 @@ class PlanStore:
             return
         self.evict()
 
+    # -- measured decisions (cudnorm._decisions) ------------------------------------------------
+    def decision_path(self, key: str, device_index: int, deterministic: bool) -> Path | None:
+        """Where the decision for signature ``key`` lives: beside this device's plans, named by
+        the key and what else makes a timing valid (torch's version, for its kernels; the
+        driver's; deterministic mode), or ``None`` when the device cannot be fingerprinted."""
+        located = self._locate_device(device_index)
+        if located is None:
+            return None
+        name = _hash({"key": key, "torch": torch.__version__, "driver": _runtime.driver_version(),
+                      "deterministic": deterministic})[:40]
+        return located / (name + _DECISION_SUFFIX)
+
+    def _locate_device(self, device_index: int) -> Path | None:
+        try:
+            return self._fingerprint(device_index)[1]
+        except Exception as exc:
+            self._warn("fingerprint", f"cannot fingerprint cuda:{device_index} ({exc}); not using the store")
+            return None
+
+    def load_decision(self, key: str, device_index: int, deterministic: bool) -> dict | None:
+        """The stored decision record for ``key`` (``{"choice": ..., "ms": {...}, ...}``), or ``None``."""
+        path = self.decision_path(key, device_index, deterministic) if self.enabled else None
+        if path is None:
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and record.get("key") == key else None
+
+    def save_decision(self, key: str, device_index: int, deterministic: bool, record: dict) -> dict:
+        """Store ``record`` unless a decision for ``key`` is there already; returns the record that
+        is stored (the first one written wins, so every process sharing the store agrees)."""
+        record = dict(record, key=key)
+        path = self.decision_path(key, device_index, deterministic) if self.enabled and self.writable else None
+        if path is None:
+            return record
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o644)
+                json.dump(record, f, sort_keys=True)
+            try:
+                os.link(tmp, path)  # atomic and exclusive: fails where another process stored first
+            except FileExistsError:
+                return self.load_decision(key, device_index, deterministic) or record
+            finally:
+                _unlink(Path(tmp))
+        except OSError as exc:
+            self._warn("decisions", f"cannot store measured decisions in {path.parent} ({exc}); "
+                                    "new processes measure again")
+        return record
+
+    def _decision_files(self) -> list[Path]:
+        return [path for sub in _listdir(self.root) for path in _listdir(sub) if path.name.endswith(_DECISION_SUFFIX)]
+
     # -- maintenance ------------------------------------------------------------------------
     def _files(self):
         """``(path, stat)`` of every entry and temp file under the root (all fingerprints)."""
@@ -310,7 +370,7 @@ class PlanStore:
         """Delete every entry (and empty fingerprint directory). Returns the files removed;
         raises ``PermissionError`` naming the store when some could not be removed (a
         read-only store), or naming a directory of it that could not be read."""
-        files = [path for path, _ in self._files()]
+        files = [path for path, _ in self._files()] + self._decision_files()
         removed = sum(_unlink(path) for path in files)
         left = [path for path in files if path.exists() or path.is_symlink()]
         if left:
@@ -332,7 +392,8 @@ class PlanStore:
     def info(self) -> dict:
         files = [st for path, st in self._files() if path.name.endswith(_SUFFIX)]
         return {"path": str(self.root), "enabled": self.enabled, "writable": self.writable,
-                "entries": len(files), "bytes": sum(st.st_size for st in files), "max_bytes": self.max_bytes}
+                "entries": len(files), "bytes": sum(st.st_size for st in files), "max_bytes": self.max_bytes,
+                "decisions": len(self._decision_files())}
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -431,6 +492,18 @@ def plan_store_info() -> dict:
     """The on-disk plan store: ``path``, ``enabled``, ``writable``, ``entries``, ``bytes``,
     ``max_bytes`` (entries and bytes count every fingerprint directory)."""
     return current_store().info()
+
+
+def load_decision(key: str, device_index: int, deterministic: bool) -> dict | None:
+    """The installed store's decision for a signature key (:mod:`cudnorm._decisions`), or ``None``."""
+    store = _installed
+    return store.load_decision(key, device_index, deterministic) if isinstance(store, PlanStore) else None
+
+
+def save_decision(key: str, device_index: int, deterministic: bool, record: dict) -> dict:
+    """Store a decision in the installed store; returns the one stored (another process's if first)."""
+    store = _installed
+    return store.save_decision(key, device_index, deterministic, record) if isinstance(store, PlanStore) else record
 
 
 def clear_plan_store() -> int:

@@ -42,6 +42,25 @@ kernel, :func:`cudnorm._norm.torch_rms_norm`). PyTorch's CPU LayerNorm backward 
 dW/dB of half-precision input in that precision (bf16, 256-4096 rows: 1.3-5% error);
 ``policy="cudnn"`` keeps cudnorm's fp32 sums on a CPU.
 
+Rule 4 is measured, not assumed (:func:`cudnorm._decisions.server`): cuDNN's norm engines fall off cliffs at
+some widths (7-16x slower than PyTorch at 88, 96 and 2240 on an H100; docs/performance.md,
+"Width sweep"). For each call signature (op, training or inference, dtypes, width, a bucket
+of row counts: :class:`cudnorm._candidates.Signature`) the first eager call times the
+candidates of :mod:`cudnorm._candidates` (cuDNN, PyTorch's op, cudnorm's own kernel) on
+tensors of its shape, and the fastest serves every later call; cuDNN or the kernel replace
+PyTorch's op only where they beat it by more than the measurement's spread. Decisions are
+kept in memory, in C++ on the native path (a lookup beside the recipe's), and in the plan
+store (:mod:`cudnorm._plan_store`), so a later process on the same GPU and software measures
+nothing, and every process sharing the store serves a signature the same way (the first
+decision written wins). Before measuring, the committed prior for this GPU
+(``cudnorm/priors/<gpu>.json``, written by ``cudnorm bench --sweep``) drops candidates it
+measured far slower, so a known cliff is never built or timed. Where timing is not allowed
+(CUDA-graph capture) or not wanted (``Config.measure=False``) a call takes the stored
+decision, else the prior's, else PyTorch's op, without keeping it. Under
+``torch.use_deterministic_algorithms(True)`` only deterministic candidates compete (cuDNN
+documents none for its norm engines). :func:`cudnorm.serving_decisions` lists what was decided and why;
+``cudnorm info`` and ``cudnorm warmup`` print them.
+
 ``policy="cudnn"`` sends every call to cudnorm's own path: cuDNN wherever it can serve
 (benchmarks and tests of that path use it).
 ``policy="torch"`` sends every call whose weights have the input's dtype to PyTorch's ops

@@ -14,6 +14,7 @@ PyTorch's kernels everywhere.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import os
 import threading
@@ -330,6 +331,17 @@ def release_workspaces() -> None:
 def release_handles() -> None:
     """Drop this thread's cuDNN handles (at interpreter exit; a later call makes new ones)."""
     _handles.by_device.clear()
+
+
+@functools.cache
+def driver_version() -> int:
+    """The CUDA driver's version (``cuDriverGetVersion``, e.g. 13000), 0 where it cannot be read:
+    a measured decision is kept per driver, whose scheduling can move kernel times."""
+    try:
+        value = ctypes.c_int(0)
+        return value.value if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(value)) == 0 else 0
+    except (OSError, AttributeError):
+        return 0
 
 
 def device_fingerprint(device_index: int) -> dict:

@@ -43,7 +43,8 @@ class Config:
     Attributes:
         policy: ``"auto"``: PyTorch's own ops serve CUDA calls where they make models faster
             (eager calls under 2^16 elements, 2^24 on the Python launch path, calls traced by
-            ``torch.compile``; see ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can;
+            ``torch.compile``, and every call signature where PyTorch's op measured faster: see
+            ``cudnorm._policy``); ``"cudnn"``: cuDNN serves every call it can;
             ``"torch"``: PyTorch's ops serve every call whose weights have the input's dtype, behind
             cudnorm's functions and modules (the control that measures what those cost a model
             step). [``CUDNORM_POLICY``]
@@ -81,6 +82,11 @@ class Config:
             used entries are removed first). [``CUDNORM_PLAN_STORE_MAX_MB``]
         disable_cudnn: the kill switch: ``True`` runs PyTorch's kernels everywhere.
             [``CUDNORM_DISABLE_CUDNN``: ``1``/``0`` and synonyms]
+        measure: under ``policy="auto"``, whether the first eager CUDA call of a call signature
+            times cuDNN, PyTorch's op and cudnorm's own kernel on its shape and keeps the
+            fastest (a few ms once per signature; ``cudnorm._decisions``); ``False``: the stored
+            decision, else the committed prior for this GPU, else PyTorch's op. [``CUDNORM_MEASURE``:
+            ``1``/``0`` and synonyms]
         native: ``"auto"``: calls on CUDA tensors go through the native launch path
             (``cudnorm/csrc``, built once per machine at the first CUDA call or by ``cudnorm
             build``), falling back to the Python launch path with one warning when it cannot
@@ -105,6 +111,7 @@ class Config:
     plan_store_dir: str | None = None
     plan_store_max_mb: float = 512
     disable_cudnn: bool = False
+    measure: bool = True
     native: Literal["auto", "off"] = "auto"
     native_dir: str | None = None
 
@@ -209,6 +216,7 @@ OPTIONS: dict[str, _Option] = {
     "plan_store_dir": _Option("CUDNORM_PLAN_STORE_DIR", "a path (str or os.PathLike) or None", _directory),
     "plan_store_max_mb": _Option("CUDNORM_PLAN_STORE_MAX_MB", "a finite number >= 0", _megabytes, parse=float),
     "disable_cudnn": _Option("CUDNORM_DISABLE_CUDNN", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
+    "measure": _Option("CUDNORM_MEASURE", "True or False", _flag, words=_YES_NO, env_allowed=_FLAG_ENV),
     "native": _Option("CUDNORM_NATIVE", _names(("auto", "off")), _choice("auto", "off"), parse=str.lower),
     "native_dir": _Option("CUDNORM_NATIVE_DIR", "a path (str or os.PathLike) or None", _directory),
 }

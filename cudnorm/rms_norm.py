@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _checks, _entry, _fused_add, _norm, _ops, _policy
+from . import _checks, _decisions, _entry, _fused_add, _norm, _norm_kernel, _ops, _policy
 
 _OP = _norm.RMS_NORM.name
 _TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
@@ -116,6 +116,13 @@ def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, res
     training = torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
     if not _ops.eager(input):
         y = rms_norm_fwd(x, w, eps, training, weight_offset)[0]
+        return y if flat else y.view(input.shape)
+    serves = "cudnn" if weight_offset else _decisions.serves(_OP, input, n, weight, None, training)
+    if serves == "torch":  # measured faster for this signature
+        return _norm.torch_rms_norm(input, (normalized_shape,) if type(normalized_shape) is int else normalized_shape,
+                                    weight, eps)
+    if serves == "kernel":
+        y = _norm_kernel.norm(x, w, None, eps, True)
     elif training:
         y = _RMSNormFunction.apply(x, w, None, eps, training, weight_offset)
     else:

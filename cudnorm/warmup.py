@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import _ada_strategies, _cache, _dispatch, _recording, _runtime, _warn
+from . import _ada_strategies, _cache, _decisions, _dispatch, _recording, _runtime, _settings, _warn
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -258,7 +258,9 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
     Returns:
         One dict per spec: ``spec`` (slug), ``source`` (``built``, ``store``: loaded from
         the plan store, ``cached``: already in memory, ``declined``: cuDNN has no engine,
-        ``skipped``: cuDNN unavailable here), ``plan`` (plan name) and ``seconds``.
+        ``skipped``: cuDNN unavailable here), ``plan`` (plan name), ``seconds`` and ``serves``:
+        for a LayerNorm/RMSNorm forward, the kernel its measured decision picked (``cudnn``,
+        ``torch`` or ``kernel``; :mod:`cudnorm._decisions`), stored in the plan store for the job.
     """
     specs = resolve(source, batch=batch, seq=seq, dtype=dtype, device=device)
     status = _runtime.cudnn_status()
@@ -278,5 +280,24 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
         seconds = time.perf_counter() - start
         where = "declined" if plan is None else "cached" if cached else plan.source
         rows.append({"spec": spec.slug(), "source": where, "plan": "" if plan is None else plan.plan_name,
-                     "seconds": seconds})
+                     "seconds": seconds, "serves": _decide(spec, specs)})
     return rows
+
+
+def _decide(spec: NormSpec, specs: list[NormSpec]) -> str:
+    """The measured decision (:mod:`cudnorm._decisions`) of a LayerNorm/RMSNorm forward spec's call
+    signature, made now on a random input of its shape (``""`` for other specs, or where the
+    configuration measures nothing). The weights are taken to be of the backward spec's dtype
+    (the parameters' own), else the forward's; LayerNorm's bias like its weight."""
+    if spec.op not in ("layer_norm", "rms_norm") or spec.phase == "bwd" or spec.residual or spec.offset:
+        return ""
+    if _settings.current.policy != "auto" or _settings.current.disable_cudnn:
+        return ""
+    backward = [s for s in specs if s.phase == "bwd" and (s.op, s.rows, s.cols, s.x_dtype) ==
+                (spec.op, spec.rows, spec.cols, spec.x_dtype)]
+    weight_dtype = backward[0].scale_dtype if backward else spec.scale_dtype
+    device = torch.device("cuda", spec.device_index)
+    x = torch.randn((spec.rows, spec.cols), dtype=spec.x_dtype, device=device)
+    weight = torch.ones(spec.cols, dtype=weight_dtype, device=device)
+    bias = torch.zeros_like(weight) if spec.op == "layer_norm" else None
+    return _decisions.server(spec.op, x, spec.cols, weight, bias, spec.phase == "train")

@@ -17,13 +17,13 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_ada_kernel", "_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
-     "reference"),  # no package imports
+    ("_ada_kernel", "_entry", "_lru", "_norm_kernel", "_ops", "_patch_table", "_progress", "_spec", "_version",
+     "_warn", "reference"),  # no package imports
     ("_settings",),
-    ("_policy", "_recording", "_runtime"),
+    ("_candidates", "_policy", "_recording", "_runtime"),  # _candidates: the kernels a call may run
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
-    ("_cache",),  # the plan of a spec: memory LRU -> plan store -> build
+    ("_cache", "_decisions"),  # the plan of a spec: memory LRU -> plan store -> build; measured decisions
     ("_rows",),  # row counts: exact plans or chunks
     ("_call_plans",),  # a call's plan, memoised by its signature
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation

@@ -54,8 +54,8 @@ def test_torch_policy_sends_every_same_dtype_call_to_pytorch(monkeypatch):
     assert cudnorm.serving_path("layer_norm", x).startswith("torch (policy 'torch'")
     cudnorm.config(policy="auto")
     assert not _policy.torch_serves(x, w16, w16)
-    assert _native.policy_arguments("torch") == (True, 1 << 62)
-    assert _native.policy_arguments("auto") == (True, _policy.NATIVE_CUDNN_MIN_ELEMENTS)
+    assert _native.policy_arguments("torch") == (True, 1 << 62, False)
+    assert _native.policy_arguments("auto") == (True, _policy.NATIVE_CUDNN_MIN_ELEMENTS, True)
     assert not _native.policy_arguments("cudnn")[0]
 
 

@@ -67,7 +67,7 @@ def run(args) -> int:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
-    print_table([{**r, "seconds": f"{r['seconds']:.3f}"} for r in rows], ("spec", "source", "plan", "seconds"))
+    print_table([{**r, "seconds": f"{r['seconds']:.3f}"} for r in rows], ("spec", "source", "plan", "seconds", "serves"))
     counts = {k: sum(r["source"] == k for r in rows) for k in ("built", "store", "cached", "declined")}
     print(f"\n{len(rows)} graph(s) in {time.perf_counter() - start:.1f} s: "
           + ", ".join(f"{n} {k}" for k, n in counts.items()))

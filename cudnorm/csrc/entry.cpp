@@ -70,15 +70,19 @@ bool same_as_input(const Tensor& input, const Tensor& other) {
          other.get_device() == input.get_device();
 }
 
-// cudnorm._policy.torch_serves for a served call: policy "auto", weights of the input's
-// dtype and fewer than Config's threshold of elements run PyTorch's own op.
-bool torch_serves(const Tensor& input, std::initializer_list<const OptTensor*> params) {
+// cudnorm._policy.torch_serves, then cudnorm._decisions.serves, for a served call: under policy
+// "auto" (or "torch") calls whose weights have the input's dtype and fewer than Config's
+// threshold of elements run PyTorch's own op; under "auto" every larger call takes the
+// measured decision of its signature (an RMSNorm with a weight offset is not measured: cuDNN
+// adds the offset inside its graph, the other candidates do not take one); under "cudnn" cuDNN serves.
+Server serve(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight, const OptTensor& bias,
+             bool measurable = true) {
   const Settings& s = settings();
-  if (!s.policy_auto) return false;
-  for (const OptTensor* p : params) {
-    if (defined(*p) && (*p)->scalar_type() != input.scalar_type()) return false;
-  }
-  return input.numel() < s.cudnn_min_elements;
+  if (!s.policy_auto) return Server::Cudnn;
+  const bool same = (!defined(weight) || weight->scalar_type() == input.scalar_type()) &&
+                    (!defined(bias) || bias->scalar_type() == input.scalar_type());
+  if (same && input.numel() < s.cudnn_min_elements) return Server::Torch;
+  return s.measured && measurable ? server_for(rms, training, input, n, weight, bias) : Server::Cudnn;
 }
 
 double default_rms_eps(at::ScalarType dtype) {  // torch.finfo(dtype).eps, as torch.nn.RMSNorm
@@ -113,11 +117,16 @@ Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shap
   if (!served(input) || !concrete(normalized_shape, shape) || !norm_args(input, shape, {&weight, &bias}, eps, &n)) {
     return composite_py("layer_norm", {input, weight, bias}, {eps}, normalized_shape)[0];
   }
-  if (torch_serves(input, {&weight, &bias})) return at::layer_norm(input, shape, weight, bias, eps);
+  const bool training =
+      at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(weight) || requires_grad(bias));
+  switch (serve(false, training, input, n, weight, bias)) {
+    case Server::Torch: return at::layer_norm(input, shape, weight, bias, eps);
+    case Server::Python: return composite_py("layer_norm", {input, weight, bias}, {eps}, normalized_shape)[0];
+    case Server::Cudnn: break;
+  }
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n), b = flat_param(bias, flat, n);
-  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(w) || requires_grad(b));
   Tensor y = layer_norm_train(x, w, b, eps, training);
   return flat ? y : y.view(input.sizes());
 }
@@ -131,14 +140,19 @@ Tensor rms_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape,
       !norm_args(input, shape, {&weight}, e, &n)) {
     return composite_py("rms_norm", {input, weight}, rms_scalars(eps, weight_offset), normalized_shape)[0];
   }
-  if (torch_serves(input, {&weight})) {
-    return weight_offset != 0.0 ? gemma_rms_norm(input, shape, weight, e, weight_offset)
-                                : at::rms_norm(input, shape, weight, e);
+  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(weight));
+  const Server server = serve(true, training, input, n, weight, std::nullopt, weight_offset == 0.0);
+  switch (server) {
+    case Server::Torch:
+      return weight_offset != 0.0 ? gemma_rms_norm(input, shape, weight, e, weight_offset)
+                                  : at::rms_norm(input, shape, weight, e);
+    case Server::Python:
+      return composite_py("rms_norm", {input, weight}, rms_scalars(eps, weight_offset), normalized_shape)[0];
+    case Server::Cudnn: break;
   }
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n);
-  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(w));
   Tensor y = rms_norm_train(x, w, e, training, weight_offset);
   return flat ? y : y.view(input.sizes());
 }
@@ -153,15 +167,23 @@ std::tuple<Tensor, Tensor> add_layer_norm_entry(const Tensor& input, const Tenso
     auto out = composite_py("add_layer_norm", {input, residual, weight, bias}, {eps}, normalized_shape);
     return {out[0], out[1]};
   }
-  if (torch_serves(input, {&weight, &bias})) {  // cudnorm._fused_add.reference: Inductor-style unfused math
-    Tensor h = input + residual;
-    return {at::layer_norm(h, shape, weight, bias, eps), h};
+  const bool training = at::GradMode::is_enabled() && (input.requires_grad() || residual.requires_grad() ||
+                                                      requires_grad(weight) || requires_grad(bias));
+  // the plain norm's decision: the same engines serve the fused graph (cudnorm._fused_add.call)
+  switch (serve(false, training, input, n, weight, bias)) {
+    case Server::Torch: {  // cudnorm._fused_add.reference: Inductor-style unfused math
+      Tensor h = input + residual;
+      return {at::layer_norm(h, shape, weight, bias, eps), h};
+    }
+    case Server::Python: {
+      auto out = composite_py("add_layer_norm", {input, residual, weight, bias}, {eps}, normalized_shape);
+      return {out[0], out[1]};
+    }
+    case Server::Cudnn: break;
   }
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n}), r = flat ? residual : residual.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n), b = flat_param(bias, flat, n);
-  const bool training = at::GradMode::is_enabled() &&
-                        (input.requires_grad() || residual.requires_grad() || requires_grad(w) || requires_grad(b));
   auto [y, h] = add_norm_train(x, r, w, b, eps, training, false, 0.0);
   return flat ? std::make_tuple(y, h) : std::make_tuple(y.view(input.sizes()), h.view(input.sizes()));
 }
@@ -178,17 +200,26 @@ std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor&
                             normalized_shape);
     return {out[0], out[1]};
   }
-  if (torch_serves(input, {&weight})) {
-    Tensor h = input + residual;
-    return {weight_offset != 0.0 ? gemma_rms_norm(h, shape, weight, e, weight_offset)
-                                 : at::rms_norm(h, shape, weight, e),
-            h};
+  const bool training =
+      at::GradMode::is_enabled() && (input.requires_grad() || residual.requires_grad() || requires_grad(weight));
+  const Server server = serve(true, training, input, n, weight, std::nullopt, weight_offset == 0.0);
+  switch (server) {
+    case Server::Torch: {
+      Tensor h = input + residual;
+      return {weight_offset != 0.0 ? gemma_rms_norm(h, shape, weight, e, weight_offset)
+                                   : at::rms_norm(h, shape, weight, e),
+              h};
+    }
+    case Server::Python: {
+      auto out = composite_py("add_rms_norm", {input, residual, weight}, rms_scalars(eps, weight_offset),
+                              normalized_shape);
+      return {out[0], out[1]};
+    }
+    case Server::Cudnn: break;
   }
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n}), r = flat ? residual : residual.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n);
-  const bool training = at::GradMode::is_enabled() &&
-                        (input.requires_grad() || residual.requires_grad() || requires_grad(w));
   auto [y, h] = add_norm_train(x, r, w, std::nullopt, e, training, true, weight_offset);
   return flat ? std::make_tuple(y, h) : std::make_tuple(y.view(input.sizes()), h.view(input.sizes()));
 }

@@ -9,6 +9,7 @@
 //                 execute: the only file that includes the cuDNN frontend
 //   recipes.cpp   call signatures -> recipes, the configuration Python pushes, the calls
 //                 into Python (resolving a new signature, the PyTorch fallbacks)
+//   decisions.cpp call signatures -> which kernel serves (measured by cudnorm._decisions)
 //   launch.cpp    pointer slots, single / chunked / per-sample launches
 //   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
 //   ada.cpp       adaptive LayerNorm forward and backward
@@ -95,11 +96,22 @@ std::vector<int64_t> counters();  // hits, misses (resolved by Python), recipes 
 
 struct Settings {
   bool enabled = false;            // the native path serves (Python pushed a configuration)
-  bool policy_auto = true;         // Config.policy == "auto"
-  int64_t cudnn_min_elements = 0;  // policy "auto": same-dtype eager calls below this run PyTorch's op
+  bool policy_auto = true;         // Config.policy is "auto" or "torch" (same-dtype calls may run PyTorch's op)
+  int64_t cudnn_min_elements = 0;  // same-dtype eager calls below this run PyTorch's op
+  bool measured = false;           // Config.policy == "auto": larger calls take the measured decision
 };
 const Settings& settings();
-void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements);
+void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured);
+
+// ---------------------------------------------------------------- decisions (decisions.cpp)
+// What serves an eager LayerNorm / RMSNorm call: cuDNN's plans (this library), PyTorch's op,
+// or cudnorm's Python implementation (which runs cudnorm's own kernel).
+enum class Server : int64_t { Cudnn = 0, Torch = 1, Python = 2 };
+// The measured decision of the call's signature (cudnorm._decisions): from the table, else
+// decided by Python (which may time the candidates on `input`).
+Server server_for(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
+                  const OptTensor& bias);
+void clear_decisions();
 
 // cudnorm's Python implementation of an op or an entry point (cudnorm._native): the fallbacks.
 // kernel_py runs below autograd (CompositeExplicitAutograd), composite_py above it

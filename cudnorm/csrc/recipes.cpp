@@ -150,12 +150,13 @@ std::vector<int64_t> counters() {
 
 const Settings& settings() { return current; }
 
-void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements) {
+void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured) {
   // Python changes the configuration between calls (cudnorm.config); the fields are read
   // without a lock on every call, and a call racing a change sees the old or the new value.
   std::lock_guard<std::mutex> lock(settings_mutex);
   current.policy_auto = policy_auto;
   current.cudnn_min_elements = cudnn_min_elements;
+  current.measured = measured;
   current.enabled = enabled;
 }
 

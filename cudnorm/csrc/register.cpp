@@ -53,10 +53,13 @@ TORCH_LIBRARY(cudnorm_native, m) {
   m.def("add_plan(Tensor blob, int device, int slots) -> int",
         [](const at::Tensor& blob, int64_t device, int64_t slots) { return cudnorm::add_plan(blob, device, slots); });
   m.def("drop_plan(int id) -> ()", [](int64_t id) { cudnorm::drop_plan(id); });
-  m.def("clear() -> ()", [] { cudnorm::clear_recipes(); });
-  m.def("configure(bool enabled, bool policy_auto, int cudnn_min_elements) -> ()",
-        [](bool enabled, bool policy_auto, int64_t min_elements) {
-          cudnorm::configure(enabled, policy_auto, min_elements);
+  m.def("clear() -> ()", [] {
+    cudnorm::clear_recipes();
+    cudnorm::clear_decisions();
+  });
+  m.def("configure(bool enabled, bool policy_auto, int cudnn_min_elements, bool measured) -> ()",
+        [](bool enabled, bool policy_auto, int64_t min_elements, bool measured) {
+          cudnorm::configure(enabled, policy_auto, min_elements, measured);
         });
   m.def("counters() -> int[]", [] { return cudnorm::counters(); });
   m.def("execute_floor_us(int id, int[] ptrs, int reps) -> float",

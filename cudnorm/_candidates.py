@@ -1,0 +1,242 @@
+"""The kernels that can serve a LayerNorm/RMSNorm call, in one table, and how they are timed.
+
+cuDNN's norm engines are not fast at every width: on an H100 (cuDNN 9.19) they are 7-16x
+slower than PyTorch's kernels at widths 88, 96 and 2240 (RMSNorm also 1152 and 1408), mostly
+in the backward's weight-gradient reduction, and lose 10-45% at many other widths
+(docs/performance.md, "Width sweep"). So which kernel serves a call signature is measured
+(:mod:`cudnorm._policy`), and this module is what is measured: each :class:`Candidate` turns
+a call's tensors into a closure that runs the work once (the forward, or forward and
+backward for a training call), the same closure :func:`time_closures` times for the
+dispatcher and ``cudnorm bench --sweep`` times for the width sweep. Adding a kernel is one
+entry in :data:`CANDIDATES`; both then measure it.
+
+Candidates:
+
+* ``cudnn``: cudnorm's cuDNN path (its custom ops, C++ kernels on the native launch path);
+* ``torch``: PyTorch's own fused kernels (``native_layer_norm``, ``_fused_rms_norm`` and their
+  backwards), which ``torch.nn.functional`` runs;
+* ``kernel``: cudnorm's own Triton kernel (:mod:`cudnorm._norm_kernel`), for the widths and
+  row counts where neither of the others reaches the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _norm_kernel
+
+_F32 = torch.float32
+_LN_FORWARD = torch.ops.aten.native_layer_norm.default
+_LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+_RMS_FORWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
+_RMS_BACKWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm_backward", None), "default", None)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "none"}
+
+
+class Signature(NamedTuple):
+    """What decides which kernel serves a call: one measurement serves every call that has it.
+
+    ``rows_bucket`` is ``rows.bit_length()``: row counts within a factor of two share a
+    decision (a model's calls vary their rows with batch and sequence; measuring each count
+    would time every new shape)."""
+
+    op: str  # "layer_norm" | "rms_norm"
+    training: bool  # forward and backward, or the forward alone
+    dtype: torch.dtype  # the input's
+    weight: torch.dtype | None  # None: no weight
+    bias: torch.dtype | None  # None: no bias (always None for RMSNorm)
+    cols: int
+    rows_bucket: int
+
+    def key(self) -> str:
+        """A stable text form (the on-disk decisions and the prior tables are keyed by it)."""
+        return (f"{self.op}/{'train' if self.training else 'infer'}/{_DTYPE_NAMES[self.dtype]}/"
+                f"w={_DTYPE_NAMES[self.weight]}/b={_DTYPE_NAMES[self.bias]}/n={self.cols}/r={self.rows_bucket}")
+
+
+def signature(op: str, training: bool, x: torch.Tensor, weight, bias, cols: int) -> Signature:
+    """The :class:`Signature` of a call on ``x`` (any shape; its rows are ``numel // cols``)."""
+    rows = x.numel() // cols
+    return Signature(op, training, x.dtype, None if weight is None else weight.dtype,
+                     None if bias is None else bias.dtype, cols, rows.bit_length())
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel that may serve a signature.
+
+    ``supports(sig)`` says whether it computes that call at all; ``prepare(sig, x, weight,
+    bias, eps)`` returns a closure that runs the call's work once on those tensors (``x``:
+    ``[M, N]`` packed rows; a training call's backward takes ``x`` itself as the incoming
+    gradient, which has the right shape and dtype and costs no allocation); ``deterministic``:
+    bitwise-reproducible results, the only kind allowed under
+    ``torch.use_deterministic_algorithms(True)``."""
+
+    name: str
+    deterministic: bool
+    supports: Callable[[Signature], bool]
+    prepare: Callable[..., Callable[[], object]]
+
+
+def _torch_supports(sig: Signature) -> bool:
+    if sig.op == "layer_norm":  # ATen's LayerNorm takes fp32 weights on half-precision input too
+        return sig.bias is None or sig.weight is None or sig.bias == sig.weight
+    return _RMS_FORWARD is not None and sig.weight in (None, sig.dtype)
+
+
+def _torch_prepare(sig: Signature, x, weight, bias, eps):
+    n = [sig.cols]
+    if sig.op == "layer_norm":
+        mask = [True, weight is not None, bias is not None]
+        if not sig.training:
+            return lambda: _LN_FORWARD(x, n, weight, bias, eps)
+
+        def run():
+            _, mean, rstd = _LN_FORWARD(x, n, weight, bias, eps)
+            return _LN_BACKWARD(x, x, n, mean, rstd, weight, bias, mask)
+        return run
+    if not sig.training:
+        return lambda: _RMS_FORWARD(x, n, weight, eps)
+    mask = [True, weight is not None]
+
+    def run_rms():
+        _, rstd = _RMS_FORWARD(x, n, weight, eps)
+        return _RMS_BACKWARD(x, x, n, rstd, weight, mask)
+    return run_rms
+
+
+def _cudnn_supports(sig: Signature) -> bool:
+    return True  # cudnorm's own path serves every call (its ops fall back where no graph does)
+
+
+def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
+    ops = torch.ops.cudnorm
+    if sig.op == "layer_norm":
+        if not sig.training:
+            return lambda: ops.layer_norm_fwd(x, weight, bias, eps, False)
+
+        def run():
+            _, stats = ops.layer_norm_fwd(x, weight, bias, eps, True)
+            return ops.layer_norm_bwd(x, x, weight, stats)
+        return run
+    if not sig.training:
+        return lambda: ops.rms_norm_fwd(x, weight, eps, False, 0.0)
+
+    def run_rms():
+        _, rstd = ops.rms_norm_fwd(x, weight, eps, True, 0.0)
+        return ops.rms_norm_bwd(x, x, weight, rstd, 0.0)
+    return run_rms
+
+
+def _kernel_supports(sig: Signature) -> bool:
+    return _norm_kernel.available() and _norm_kernel.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
+
+
+def _kernel_prepare(sig: Signature, x, weight, bias, eps):
+    rms = sig.op == "rms_norm"
+    if not sig.training:
+        return lambda: _norm_kernel.forward(x, weight, bias, eps, rms, False)
+
+    def run():
+        _, stats = _norm_kernel.forward(x, weight, bias, eps, rms, True)
+        return _norm_kernel.backward(x, x, weight, stats, rms, sig.bias)
+    return run
+
+
+# The order is the preference among equals: PyTorch's op first (the reference a candidate has
+# to beat), then cuDNN, then cudnorm's own kernel.
+CANDIDATES: dict[str, Candidate] = {
+    "torch": Candidate("torch", True, _torch_supports, _torch_prepare),
+    # cuDNN documents no determinism for its norm engines: kept out under deterministic algorithms
+    "cudnn": Candidate("cudnn", False, _cudnn_supports, _cudnn_prepare),
+    "kernel": Candidate("kernel", True, _kernel_supports, _kernel_prepare),
+}
+
+
+def candidates_for(sig: Signature, *, deterministic: bool = False) -> list[str]:
+    """The names of the candidates that serve ``sig`` (deterministic ones only, if asked)."""
+    return [name for name, c in CANDIDATES.items() if c.supports(sig) and (c.deterministic or not deterministic)]
+
+
+class Timing(NamedTuple):
+    """Milliseconds per call: the median of ``rounds`` timed rounds, and their relative spread
+    ((max - min) / median: how far this measurement can be trusted)."""
+
+    ms: float
+    spread: float
+    rounds: int
+
+
+# A first measurement costs at most about this much GPU time per signature (builds and
+# compiles aside: the first call pays those whichever kernel serves).
+BUDGET_MS = 40.0
+ROUNDS = 3
+# A candidate whose first timed call is this many times the best one's is out (a cliff): no
+# rounds are spent on it. Its single time is still reported.
+CLIFF = 3.0
+
+
+def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float = BUDGET_MS,
+                  rounds: int = ROUNDS, device=None) -> dict[str, Timing]:
+    """Time each closure on the current CUDA stream: one untimed call (builds, compiles,
+    caches), one timed call, then ``rounds`` interleaved rounds of as many calls as fit the
+    budget; events around each round give its time per call. Closures that fail on their
+    first call are left out of the result."""
+    stream = torch.cuda.current_stream(device)
+    alive = {}
+    for name, fn in closures.items():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a candidate that cannot run this call is not a candidate
+            continue
+        alive[name] = fn
+    if not alive:
+        return {}
+    first = {name: _elapsed_ms(fn, 1, stream) for name, fn in alive.items()}
+    best = min(first.values())
+    out = {name: Timing(ms, 0.0, 1) for name, ms in first.items() if ms > CLIFF * best}
+    timed = {name: fn for name, fn in alive.items() if name not in out}
+    per_round = budget_ms / (rounds * len(timed))
+    reps = {name: max(1, min(50, int(per_round / max(first[name], 1e-3)))) for name in timed}
+    samples = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            samples[name].append(_elapsed_ms(fn, reps[name], stream))
+    for name, values in samples.items():
+        mid = statistics.median(values)
+        out[name] = Timing(mid, (max(values) - min(values)) / mid if mid > 0 else 0.0, len(values))
+    return out
+
+
+def _elapsed_ms(fn, reps: int, stream) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(reps):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+# cuDNN (or cudnorm's kernel) replaces PyTorch's op only where it is faster by more than the
+# two measurements' spreads together and at least this much (docs/performance.md, Decisions)
+MIN_GAIN = 0.03
+
+
+def winner(timings: dict[str, Timing], baseline: str = "torch") -> str:
+    """The candidate that serves: the fastest, where it beats ``baseline`` (PyTorch's op) by more
+    than the spreads and :data:`MIN_GAIN`; else the baseline. Without a baseline timing, the
+    fastest."""
+    if not timings:
+        return baseline
+    best = min(timings, key=lambda name: timings[name].ms)
+    base = timings.get(baseline)
+    if base is None or best == baseline:
+        return best
+    margin = max(MIN_GAIN, timings[best].spread + base.spread)
+    return best if timings[best].ms * (1.0 + margin) < base.ms else baseline

@@ -1,0 +1,187 @@
+"""Measured decisions: which kernel serves each LayerNorm/RMSNorm call signature (rule 4 of
+:mod:`cudnorm._policy`).
+
+:func:`server` answers ``"torch"``, ``"cudnn"`` or ``"kernel"`` for an eager CUDA call the size
+rules left to cudnorm. A signature (:class:`cudnorm._candidates.Signature`) is decided once:
+
+1. a decision already made in this process;
+2. a decision in the plan store for this GPU and software (:func:`cudnorm._plan_store.load_decision`);
+   the first decision written for a signature is the one every process sharing the store
+   keeps, so the ranks of a job on one machine (or sharing a store directory) agree;
+3. the prior (``cudnorm/priors/<gpu>.json``, written by ``cudnorm bench --sweep`` on that GPU)
+   drops candidates it measured :data:`PRIOR_CLIFF` times slower than its best, so known cliffs
+   are neither built nor timed;
+4. the remaining candidates are timed on the call's own input (:func:`cudnorm._candidates.time_closures`,
+   a few ms) and the winner is stored.
+
+Where timing is not allowed (the stream is being captured into a CUDA graph) or not wanted
+(``Config.measure=False``), steps 3-4 give the prior's fastest candidate, else PyTorch's op,
+and that answer is not kept: a later eager call still measures. Everything here runs once per
+signature; later calls find the answer in :data:`_decided` (and, on the native path, in C++).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import _candidates, _dispatch, _plan_store, _runtime, _settings
+from ._candidates import Signature
+
+# A candidate the prior measured this many times slower than the prior's fastest is not
+# built or timed (a cliff: 7-16x at the widths it was written for; docs/performance.md, Decisions)
+PRIOR_CLIFF = 2.0
+PRIORS = Path(__file__).parent / "priors"
+
+_decided: dict[tuple, str] = {}
+_why: dict[tuple, dict] = {}  # the same keys: how each decision was made, for decisions()
+_lock = threading.Lock()
+# called with no arguments when decisions are forgotten (cudnorm._native empties C++'s table)
+listeners: list = []
+
+
+def serves(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> str:
+    """What serves an eager call the size rules of :mod:`cudnorm._policy` left to cudnorm:
+    :func:`server`'s measured answer under ``policy="auto"`` for a plain CUDA tensor, else
+    ``"cudnn"`` (cudnorm's own path, as ``policy="cudnn"`` and DTensors have it)."""
+    if _settings.current.policy != "auto" or type(input) is not torch.Tensor or not input.is_cuda:
+        return "cudnn"
+    return server(op, input, cols, weight, bias, training)
+
+
+def server(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> str:
+    """``"torch"``, ``"cudnn"`` or ``"kernel"`` for an eager call on a plain CUDA ``input``
+    (``[*, cols]``) with these parameters; decided once per signature, measured where allowed."""
+    return server_kept(op, input, cols, weight, bias, training)[0]
+
+
+def server_kept(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> tuple[str, bool]:
+    """:func:`server`'s answer, and whether it was kept (not a stand-in while timing is not allowed)."""
+    sig = _candidates.signature(op, training, input, weight, bias, cols)
+    key = (sig, input.get_device(), torch.are_deterministic_algorithms_enabled())
+    choice = _decided.get(key)
+    if choice is None:
+        choice = decide(key, input, weight, bias)
+    return choice, key in _decided
+
+
+def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) -> str:
+    """Decide ``key`` = ``(signature, device index, deterministic)`` (the steps of the module
+    docstring), keep it where it may be kept, and return it. ``input`` is a tensor of the
+    signature (its values are only read)."""
+    sig, device, deterministic = key
+    names = _candidates.candidates_for(sig, deterministic=deterministic)
+    baseline = "torch" if "torch" in names else "cudnn"
+    if len(names) == 1:
+        return _keep(key, names[0], {"source": "only candidate"})
+    stored = _plan_store.load_decision(sig.key(), device, deterministic)
+    if stored is not None and stored.get("choice") in names:
+        return _keep(key, stored["choice"], {**stored, "source": "stored"})
+    prior = prior_times(sig, device)
+    if prior:
+        fastest = min(prior[n] for n in names if n in prior) if any(n in prior for n in names) else None
+        if fastest is not None:
+            names = [n for n in names if n not in prior or prior[n] <= PRIOR_CLIFF * fastest]
+    if len(names) == 1:
+        return _keep(key, names[0], {"source": "prior", "prior_ms": prior})
+    if _runtime.capturing() or not _settings.current.measure:
+        known = [n for n in names if prior and n in prior]
+        choice = min(known, key=prior.__getitem__) if known else baseline
+        _why[key] = {"source": "prior (not measured: capturing or Config.measure=False)" if known
+                     else "PyTorch's op (not measured: capturing or Config.measure=False)", "choice": choice}
+        return choice
+    timings = measure(sig, input, weight, bias, names, eps)
+    choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
+    record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
+              "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time()}
+    kept = _plan_store.save_decision(sig.key(), device, deterministic, record)
+    if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
+        return _keep(key, kept["choice"], {**kept, "source": "stored (another process decided first)"})
+    return _keep(key, choice, {**record, "source": "measured"})
+
+
+def _keep(key: tuple, choice: str, why: dict) -> str:
+    with _lock:
+        _decided[key] = choice
+        _why[key] = {**why, "choice": choice}
+    return choice
+
+
+def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5) -> dict:
+    """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``)."""
+    x = _dispatch.cudnn_rows(input.detach().reshape(-1, sig.cols))
+    w = None if weight is None else weight.detach().reshape(sig.cols)
+    b = None if bias is None else bias.detach().reshape(sig.cols)
+    with torch.no_grad():
+        closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
+        return _candidates.time_closures(closures, device=x.device)
+
+
+def forget() -> None:
+    """Drop this process's decisions (``cudnorm.clear_cache()``; the store keeps its own)."""
+    with _lock:
+        _decided.clear()
+        _why.clear()
+    for listener in listeners:
+        listener()
+
+
+def decisions() -> list[dict]:
+    """What :func:`cudnorm.serving_decisions` returns: one dict per decided signature."""
+    with _lock:
+        items = list(_why.items())
+    rows = []
+    for (sig, device, deterministic), why in items:
+        rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
+                     "serves": why["choice"], "source": why.get("source", ""), "ms": why.get("ms", {}),
+                     "prior_ms": why.get("prior_ms") or {}})
+    return rows
+
+
+# -- the prior ---------------------------------------------------------------------------------
+
+def gpu_slug(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"`` (the results folders' names)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+@functools.cache
+def _prior_table(slug: str) -> dict:
+    path = PRIORS / f"{slug}.json"
+    try:
+        return json.loads(path.read_text()).get("cells", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def prior_times(sig: Signature, device: int) -> dict[str, float]:
+    """``{candidate: ms}`` the prior holds for ``sig`` on this GPU (its own row bucket, else a
+    neighbouring one), or ``{}``."""
+    table = _prior_table(gpu_slug(torch.cuda.get_device_name(device)))
+    if not table:
+        return {}
+    for bucket in (sig.rows_bucket, sig.rows_bucket - 1, sig.rows_bucket + 1):
+        cell = table.get(sig._replace(rows_bucket=bucket).key())
+        if cell:
+            return dict(cell)
+    return {}
+
+
+def prior_file() -> str:
+    """The prior file for the current CUDA device, or a line saying there is none."""
+    slug = gpu_slug(torch.cuda.get_device_name())
+    path = PRIORS / f"{slug}.json"
+    return str(path) if path.is_file() else f"none for {slug} (every signature is measured at its first call)"
+
+
+def explain(op: str, input: torch.Tensor, weight, training: bool) -> str:
+    """Why a decided signature is served as it is (for :func:`cudnorm.serving_path`)."""
+    sig = _candidates.signature(op, training, input, weight, weight if op == "layer_norm" else None, input.shape[-1])
+    why = _why.get((sig, input.get_device(), torch.are_deterministic_algorithms_enabled()), {})
+    times = ", ".join(f"{name} {ms:.4g} ms" for name, ms in sorted(why.get("ms", {}).items(), key=lambda kv: kv[1]))
+    return f"{why.get('source', 'decided')} for {sig.key()}" + (f": {times}" if times else "")
