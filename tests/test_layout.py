@@ -17,7 +17,7 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_ada_kernel", "_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
+    ("_ada_kernel", "_entry", "_lru", "_norm_kernel", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
      "reference"),  # no package imports
     ("_settings",),
     ("_policy", "_recording", "_runtime"),
