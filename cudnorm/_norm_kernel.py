@@ -1,0 +1,319 @@
+"""LayerNorm and RMSNorm forward and backward on ``[M, N]`` rows: cudnorm's own Triton kernels.
+
+cuDNN 9.19's norm engines fall off a cliff at some widths (7-16x slower than PyTorch at 88, 96
+and 2240, RMSNorm at 1152 and 1408: docs/cudnn-facts, section 10), mostly in the backward's
+weight-gradient reduction, and PyTorch's kernels are not at bandwidth for the narrow rows of
+per-head query/key norms (width 64-256, millions of rows). The measuring dispatcher times these
+kernels beside cuDNN's plans and PyTorch's ops per call signature; they serve any width up to
+:data:`MAX_COLS`, and are laid out for narrow rows with many of them:
+
+* a program works on 2-D tiles of ``BLOCK_M`` rows x ``BLOCK_N`` columns (``BLOCK_N`` the
+  next power of two of the width); the width is a compile-time constant, so rows of 88
+  half-precision values (176 bytes, 16-byte aligned) still load in 16-byte vectors;
+* the backward runs a fixed number of programs (a few per SM), each looping over tiles
+  ``programs`` apart; each keeps its running ``sum(dy * xhat)`` and ``sum(dy)`` as a fp32 tile
+  in registers and writes one partial row at the end, so the weight gradient costs one
+  ``[programs, N]`` fp32 sum, in a fixed order: deterministic, no atomics.
+
+Math, all in fp32 with ``y``/``dx`` rounded once to x's dtype (a fp32 weight is used as is):
+
+    LayerNorm  xhat = (x - mean) * rstd,  rstd = 1 / sqrt(var + eps)  (biased var)
+    RMSNorm    xhat = x * rstd,           rstd = 1 / sqrt(mean(x^2) + eps)
+    y = xhat * w + b
+    g = dy * w;  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g))
+    dw = sum_rows(dy * xhat),  db = sum_rows(dy)
+
+The launch shape comes from one function, :func:`_config` (its constants are guesses until
+``benchmarks/norm_kernel.py`` measures them); :func:`forward` and :func:`backward` take a
+:class:`Config` to override it. Triton is imported on first use, so importing cudnorm never
+imports it; the tests run the kernels under Triton's interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+_F32 = torch.float32
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The widest row served: one row is one tile of ``MAX_COLS`` fp32 values across a program's threads.
+MAX_COLS = 16384
+#: From this padded width a tile is one row (``BLOCK_M = 1``).
+WIDE_COLS = 1024
+
+
+class Config(NamedTuple):
+    """A launch shape. ``block_m``: rows per tile (a power of two); ``num_warps``: per program;
+    ``programs_per_sm``: the grid is ``SMs * programs_per_sm`` programs looping over the tiles,
+    or, with 0, one program per tile (for the backward this means one partial row per tile)."""
+
+    block_m: int
+    num_warps: int
+    programs_per_sm: int
+
+
+# Untuned guesses, to be measured (benchmarks/norm_kernel.py):
+# elements per tile for narrow rows: 16 (backward: 8) fp32 values per thread of 4 warps, so that
+# x, dy and the two gradient accumulators fit in registers
+_TILE_ELEMENTS = {False: 2048, True: 1024}
+_NARROW_WARPS = 4
+# a thread of a wide row holds 8 values
+_WIDE_VALUES_PER_THREAD = 8
+# backward: 16 warps per SM, so every program of the fixed grid is resident at once (a program
+# waiting for a free slot would double the time of the rows it was given)
+_BACKWARD_WARPS_PER_SM = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) -> Config:
+    """The launch shape for ``rows`` rows of ``cols`` values of ``dtype``, forward or backward.
+
+    Every constant here is an untuned guess, to be measured: ``benchmarks/norm_kernel.py``
+    times candidate shapes against it per width."""
+    block_n = _pow2(cols)
+    if block_n >= WIDE_COLS:
+        block_m = 1
+        warps = min(16, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD)))
+    else:
+        block_m = min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows))
+        warps = _NARROW_WARPS
+    # forward: one tile per program, the usual Triton grid (no partials to keep few)
+    programs_per_sm = max(1, _BACKWARD_WARPS_PER_SM // warps) if backward else 0
+    return Config(block_m, warps, programs_per_sm)
+
+
+@functools.cache
+def _kernels():
+    """``(forward, backward)`` jitted kernels, ``None`` without Triton: built on first use so
+    that importing cudnorm never imports Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    # row and tile counts are not specialised: their "% 16" or "== 1" variants change nothing.
+    # The tile loops are while loops: Triton's interpreter (3.6, with NumPy 2) cannot take a
+    # runtime bound in range()
+    @triton.jit(do_not_specialize=["rows", "tiles"])
+    def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, rows, tiles, eps,
+                     COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_N)
+        in_row = cols < COLS
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_B:
+            b = tl.load(b_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        local = tl.arange(0, BLOCK_M)
+        offsets = local[:, None] * COLS + cols[None, :]
+        tile = program
+        while tile < tiles:
+            first = tile.to(tl.int64) * BLOCK_M
+            live = local < rows - first
+            mask = live[:, None] & in_row[None, :]
+            x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+            if RMS:
+                xc = x
+            else:
+                mean = tl.sum(x, axis=1) / COLS
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / COLS + eps)
+            y = xc * rstd[:, None]
+            if HAS_W:
+                y = y * w[None, :]
+            if HAS_B:
+                y = y + b[None, :]
+            tl.store(y_ptr + first * COLS + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if STATS:
+                if not RMS:
+                    tl.store(mean_ptr + first + local, mean, mask=live)
+                tl.store(rstd_ptr + first + local, rstd, mask=live)
+            tile += programs
+
+    @triton.jit(do_not_specialize=["rows", "tiles"])
+    def norm_backward(x_ptr, dy_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
+                      rows, tiles,
+                      COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
+                      HAS_W: tl.constexpr, HAS_DB: tl.constexpr):
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_N)
+        in_row = cols < COLS
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        local = tl.arange(0, BLOCK_M)
+        offsets = local[:, None] * COLS + cols[None, :]
+        # per-element running sums, reduced over the tile's rows once at the end (a reduction
+        # across rows in every iteration would cost a trip through shared memory each time)
+        sum_dy_xhat = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sum_dy = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tile = program
+        while tile < tiles:
+            first = tile.to(tl.int64) * BLOCK_M
+            live = local < rows - first
+            mask = live[:, None] & in_row[None, :]
+            x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + first + local, mask=live, other=0.0)
+            if RMS:
+                xhat = x * rstd[:, None]
+            else:
+                mean = tl.load(mean_ptr + first + local, mask=live, other=0.0)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if HAS_W:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            mean_g_xhat = tl.sum(g * xhat, axis=1) / COLS
+            if RMS:
+                dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+            else:
+                mean_g = tl.sum(g, axis=1) / COLS
+                dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + first * COLS + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_W:
+                sum_dy_xhat += dy * xhat
+            if HAS_DB:
+                sum_dy += dy
+            tile += programs
+        out = program.to(tl.int64) * COLS + cols
+        if HAS_W:
+            tl.store(dw_partial_ptr + out, tl.sum(sum_dy_xhat, axis=0), mask=in_row)
+        if HAS_DB:
+            tl.store(db_partial_ptr + out, tl.sum(sum_dy, axis=0), mask=in_row)
+
+    return norm_forward, norm_backward
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports (the kernels are compiled on first launch; no CUDA check here)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(cols: int, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+             bias_dtype: torch.dtype | None) -> bool:
+    """Whether the kernels compute rows of ``cols`` values of ``dtype`` (fp16, bf16 or fp32) with
+    a weight and a bias each absent (``None``), of ``dtype``, or fp32. Says nothing about
+    Triton being importable (:func:`available`) or the device."""
+    return (0 < cols <= MAX_COLS and dtype in _DTYPES
+            and all(d is None or d in (dtype, _F32) for d in (weight_dtype, bias_dtype)))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(x: torch.Tensor, config: Config) -> tuple[int, int]:
+    """``(programs, tiles)`` for ``x``'s rows under ``config``."""
+    tiles = -(-x.shape[0] // config.block_m)
+    if config.programs_per_sm == 0:
+        return tiles, tiles
+    sm_count = _sm_count(x.device.index) if x.is_cuda else 1  # 1: Triton's interpreter, on a CPU
+    return min(tiles, sm_count * config.programs_per_sm), tiles
+
+
+def _launch(kernel, x: torch.Tensor, programs: int, args: tuple, meta: dict) -> None:
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # Triton launches on the current device's stream
+            kernel[(programs,)](*args, **meta)
+    else:
+        kernel[(programs,)](*args, **meta)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool,
+            training: bool, *, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, stats)`` of LayerNorm (``rms=False``) or RMSNorm of ``x: [M, N]`` (contiguous rows).
+
+    ``weight``/``bias``: ``[N]`` of x's dtype or fp32, or ``None``. ``y``: ``[M, N]`` in x's
+    dtype. ``stats`` (only when ``training``, else ``None``): fp32, LayerNorm ``[2, M]`` (mean
+    in row 0, rstd in row 1), RMSNorm ``[1, M]`` (rstd). ``config`` overrides :func:`_config`."""
+    rows, cols = x.shape
+    y = torch.empty_like(x)
+    stats = torch.empty((1 if rms else 2, rows), dtype=_F32, device=x.device) if training else None
+    if rows == 0:
+        return y, stats
+    config = config or _config(cols, x.dtype, rows)
+    programs, tiles = _grid(x, config)
+    mean, rstd = (stats[0], stats[-1]) if training else (y, y)  # unused pointers when not training
+    args = (x, x if weight is None else weight.contiguous(), x if bias is None else bias.contiguous(), y,
+            mean, rstd, rows, tiles, eps)
+    meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+            "HAS_W": weight is not None, "HAS_B": bias is not None, "STATS": training,
+            "num_warps": config.num_warps}
+    _launch(_kernels()[0], x, programs, args, meta)
+    return y, stats
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, rms: bool,
+             bias_dtype: torch.dtype | None, *, config: Config | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dweight, dbias)`` of the norm :func:`forward` computed, given ``dy: [M, N]``.
+
+    ``x``: the forward's input (contiguous rows); ``weight``: its weight or ``None``;
+    ``stats``: the forward's statistics (``[2, M]`` LayerNorm, ``[1, M]`` RMSNorm, fp32);
+    ``bias_dtype``: the bias's dtype, ``None`` where the forward had no bias. ``dx``: x's
+    dtype; ``dweight``: weight's dtype (``None`` without a weight); ``dbias``: ``bias_dtype``
+    (``None`` without a bias). The parameter gradients are summed in fp32 and rounded once."""
+    rows, cols = x.shape
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    has_w, has_db = weight is not None, bias_dtype is not None
+    if rows == 0:
+        zeros = functools.partial(torch.zeros, cols, device=x.device)
+        return dx, zeros(dtype=weight.dtype) if has_w else None, zeros(dtype=bias_dtype) if has_db else None
+    config = config or _config(cols, x.dtype, rows, backward=True)
+    programs, tiles = _grid(x, config)
+    partial = torch.empty((has_w + has_db, programs, cols), dtype=_F32, device=x.device)
+    dw_partial, db_partial = (partial[0], partial[-1]) if has_w or has_db else (dx, dx)
+    args = (x, dy, x if weight is None else weight.contiguous(), stats[0], stats[-1], dx, dw_partial, db_partial,
+            rows, tiles)
+    meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+            "HAS_W": has_w, "HAS_DB": has_db, "num_warps": config.num_warps}
+    _launch(_kernels()[1], x, programs, args, meta)
+    sums = partial.sum(1)  # [has_w + has_db, N]: a fixed-order reduction, deterministic
+    dw = sums[0].to(weight.dtype) if has_w else None
+    db = sums[-1].to(bias_dtype) if has_db else None
+    return dx, dw, db
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        y, stats = forward(x, weight, bias, eps, rms, training=True)
+        ctx.save_for_backward(x, weight, stats)
+        ctx.rms = rms
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, stats = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx, dw, db = backward(dy, x, weight, stats, ctx.rms, ctx.bias_dtype if need_b else None)
+        return dx if need_x else None, dw if need_w else None, db, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+         rms: bool) -> torch.Tensor:
+    """LayerNorm (``rms=False``) or RMSNorm of ``x: [M, N]`` through these kernels, with
+    autograd: ``y`` in x's dtype; gradients flow to whichever of ``x``, ``weight``, ``bias``
+    require them (``weight``/``bias``: ``[N]``, x's dtype or fp32, or ``None``). Without
+    gradients to compute no statistics are stored."""
+    x = x.contiguous()
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _NormFunction.apply(x, weight, bias, eps, rms)
+    return forward(x, weight, bias, eps, rms, training=False)[0]
