@@ -91,10 +91,7 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
         return _keep(key, names[0], {"source": "prior", "prior_ms": prior})
     if _runtime.capturing() or not _settings.current.measure:
         known = [n for n in names if prior and n in prior]
-        choice = min(known, key=prior.__getitem__) if known else baseline
-        _why[key] = {"source": "prior (not measured: capturing or Config.measure=False)" if known
-                     else "PyTorch's op (not measured: capturing or Config.measure=False)", "choice": choice}
-        return choice
+        return min(known, key=prior.__getitem__) if known else baseline  # a stand-in, not kept
     timings = measure(sig, input, weight, bias, names, eps)
     choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},

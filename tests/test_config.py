@@ -136,13 +136,13 @@ def test_environment_seeds_every_option():
            "CUDNORM_EXACT_AFTER": "3", "CUDNORM_ADA_FWD": "per_sample", "CUDNORM_ADA_BWD": "torch",
            "CUDNORM_RAW_EXECUTE": "off", "CUDNORM_PLAN_STORE": "no", "CUDNORM_PLAN_STORE_DIR": "~/plans",
            "CUDNORM_PLAN_STORE_MAX_MB": "1.5", "CUDNORM_DISABLE_CUDNN": "yes", "CUDNORM_NATIVE": "OFF",
-           "CUDNORM_NATIVE_DIR": "/opt/cudnorm"}
+           "CUDNORM_NATIVE_DIR": "/opt/cudnorm", "CUDNORM_MEASURE": "0"}
     assert sorted(env) == sorted(option.env for option in _settings.OPTIONS.values())
     assert _settings.from_environment(env) == cudnorm.Config(
         policy="cudnn", autotune="on", autotune_candidates="all", fp32_weight_fwd="native", cache_size=64,
         exact_rows=0, exact_after=3, ada_forward="per_sample", ada_backward="torch", raw_execute=False,
         plan_store=False, plan_store_dir="~/plans", plan_store_max_mb=1.5, disable_cudnn=True, native="off",
-        native_dir="/opt/cudnorm")
+        native_dir="/opt/cudnorm", measure=False)
     assert _settings.from_environment({}) == cudnorm.Config()
     assert _settings.from_environment({"CUDNORM_CACHE_SIZE": "", "CUDNORM_DISABLE_CUDNN": " "}) == cudnorm.Config()
     assert _settings.from_environment({"CUDNORM_AUTOTUNE": "never"}).autotune == "off"

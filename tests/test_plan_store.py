@@ -353,7 +353,7 @@ def test_configuration_installs_the_store(tmp_path, monkeypatch):
     store = _plan_store.installed()
     assert isinstance(store, PlanStore) and store.max_bytes == 1572864
     assert cudnorm.plan_store_info() == {"path": str(tmp_path / "mine"), "enabled": True, "writable": True,
-                                         "entries": 0, "bytes": 0, "max_bytes": 1572864}
+                                         "entries": 0, "bytes": 0, "max_bytes": 1572864, "decisions": 0}
     assert not (tmp_path / "mine").exists(), "installing must not create the directory"
     cudnorm.config(cache_size=100)
     assert _plan_store.installed() is store, "other options leave the store alone"

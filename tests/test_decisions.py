@@ -1,0 +1,157 @@
+"""The measured dispatcher (cudnorm._decisions, cudnorm._candidates) on a CPU: signatures, the
+winner rule, the plan store's decisions (first writer wins), the prior, and the cases where
+nothing may be timed. Timing itself needs a GPU (tests/test_decisions_gpu.py)."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _candidates, _decisions, _plan_store, _runtime
+from cudnorm._candidates import Signature, Timing
+from cudnorm._plan_store import PlanStore
+
+BF16 = torch.bfloat16
+
+
+def _sig(cols=88, rows_bucket=18, training=True, op="layer_norm"):
+    return Signature(op, training, BF16, BF16, BF16 if op == "layer_norm" else None, cols, rows_bucket)
+
+
+def test_signature_buckets_rows_by_powers_of_two():
+    x = torch.empty(3, 1000, 88, dtype=BF16)
+    sig = _candidates.signature("layer_norm", True, x, torch.empty(88, dtype=BF16), None, 88)
+    assert sig == Signature("layer_norm", True, BF16, BF16, None, 88, (3000).bit_length())
+    same = _candidates.signature("layer_norm", True, torch.empty(2049, 88, dtype=BF16), torch.empty(88, dtype=BF16),
+                                 None, 88)
+    assert same.rows_bucket == sig.rows_bucket, "3000 and 2049 rows are in one bucket"
+    assert sig.key() == "layer_norm/train/bf16/w=bf16/b=none/n=88/r=12"
+
+
+def test_winner_needs_more_than_the_spread():
+    torch_ms = Timing(1.0, 0.01, 3)
+    assert _candidates.winner({"torch": torch_ms, "cudnn": Timing(0.5, 0.01, 3)}) == "cudnn"
+    assert _candidates.winner({"torch": torch_ms, "cudnn": Timing(0.99, 0.0, 3)}) == "torch", "inside MIN_GAIN"
+    assert _candidates.winner({"torch": Timing(1.0, 0.2, 3), "cudnn": Timing(0.85, 0.0, 3)}) == "torch", \
+        "inside the spread"
+    assert _candidates.winner({"torch": torch_ms, "cudnn": Timing(8.0, 0.0, 1), "kernel": Timing(0.4, 0.0, 3)}) \
+        == "kernel"
+    assert _candidates.winner({"cudnn": Timing(1.0, 0.0, 3), "kernel": Timing(2.0, 0.0, 3)}, "torch") == "cudnn"
+    assert _candidates.winner({}, "torch") == "torch"
+
+
+def test_candidates_follow_dtypes_and_determinism():
+    assert _candidates.candidates_for(_sig(), deterministic=True) == [
+        n for n in ("torch", "kernel") if _candidates.CANDIDATES[n].supports(_sig())]
+    mixed_rms = Signature("rms_norm", True, BF16, torch.float32, None, 4096, 20)
+    assert "torch" not in _candidates.candidates_for(mixed_rms), "PyTorch's fused RMSNorm takes one dtype"
+    assert "cudnn" in _candidates.candidates_for(mixed_rms)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    fingerprint = lambda device: {"gpu": "Test GPU", "compute_capability": "9.0"}  # noqa: E731
+    store = PlanStore(tmp_path / "store", 1 << 20, fingerprint=fingerprint)
+    monkeypatch.setattr(_plan_store, "_installed", store)
+    monkeypatch.setattr(_runtime, "driver_version", lambda: 13000)
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)  # a CPU build of torch cannot ask
+    cudnorm.clear_cache()
+    yield store
+    cudnorm.clear_cache()
+
+
+def test_store_keeps_the_first_decision_written(store):
+    first = store.save_decision("k", 0, False, {"choice": "torch", "ms": {"torch": 1.0}})
+    assert first["choice"] == "torch" and store.load_decision("k", 0, False)["choice"] == "torch"
+    second = store.save_decision("k", 0, False, {"choice": "cudnn"})
+    assert second["choice"] == "torch", "another process decided first: its decision is returned"
+    assert store.load_decision("k", 0, True) is None, "deterministic mode is another decision"
+    assert store.info()["decisions"] == 1
+    assert store.clear() >= 1 and store.load_decision("k", 0, False) is None
+
+
+def test_concurrent_writers_agree(store):
+    results = []
+    threads = [threading.Thread(target=lambda c=c: results.append(store.save_decision("race", 0, False,
+                                                                                        {"choice": c})))
+               for c in ("torch", "cudnn", "kernel") * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({r["choice"] for r in results}) == 1
+
+
+def _input(rows=4096, cols=88):
+    return torch.randn(rows, cols, dtype=BF16), torch.ones(cols, dtype=BF16), torch.zeros(cols, dtype=BF16)
+
+
+def test_measures_once_then_stores(store, monkeypatch):
+    calls = []
+
+    def fake_measure(sig, input, weight, bias, names, eps=1e-5):
+        calls.append(sorted(names))
+        return {"torch": Timing(1.0, 0.01, 3), "cudnn": Timing(9.0, 0.0, 1), "kernel": Timing(0.5, 0.01, 3)}
+
+    monkeypatch.setattr(_decisions, "measure", fake_measure)
+    monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {})
+    monkeypatch.setattr(_candidates, "_kernel_supports", lambda sig: True)
+    monkeypatch.setitem(_candidates.CANDIDATES, "kernel", _candidates.Candidate(
+        "kernel", True, lambda sig: True, _candidates._kernel_prepare))
+    x, w, b = _input()
+    assert _decisions.server("layer_norm", x, 88, w, b, True) == "kernel"
+    assert _decisions.server("layer_norm", x, 88, w, b, True) == "kernel"
+    assert len(calls) == 1, "one measurement per signature"
+    [row] = cudnorm.serving_decisions()
+    assert row["serves"] == "kernel" and row["source"] == "measured" and row["ms"]["cudnn"] == 9.0
+    cudnorm.clear_cache()  # a new process: the store answers
+    assert _decisions.server("layer_norm", x, 88, w, b, True) == "kernel" and len(calls) == 1
+    assert cudnorm.serving_decisions()[0]["source"] == "stored"
+
+
+def test_prior_skips_known_cliffs(store, monkeypatch):
+    measured = []
+    monkeypatch.setattr(_decisions, "measure", lambda sig, x, w, b, names, eps=1e-5: measured.append(names) or
+                        {n: Timing(1.0 if n == "torch" else 0.5, 0.0, 3) for n in names})
+    monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {"torch": 1.0, "cudnn": 12.0})
+    monkeypatch.setitem(_candidates.CANDIDATES, "kernel", _candidates.Candidate(
+        "kernel", True, lambda sig: False, _candidates._kernel_prepare))
+    x, w, b = _input()
+    assert _decisions.server("layer_norm", x, 88, w, b, True) == "torch"
+    assert measured == [], "the prior left one candidate: nothing to time"
+    assert cudnorm.serving_decisions()[0]["source"] == "prior"
+
+
+def test_no_timing_while_capturing_or_unwanted(store, monkeypatch):
+    monkeypatch.setattr(_decisions, "measure", lambda *a, **k: pytest.fail("timed where it must not"))
+    monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {})
+    x, w, b = _input()
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    assert _decisions.server("layer_norm", x, 88, w, b, True) == "torch"
+    assert not cudnorm.serving_decisions(), "a stand-in is not kept: a later eager call measures"
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)
+    with cudnorm.config(measure=False):
+        monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {"torch": 2.0, "cudnn": 1.0})
+        assert _decisions.server("layer_norm", x, 88, w, b, True) == "cudnn", "the prior's fastest"
+
+
+def test_prior_file_lookup(monkeypatch, tmp_path):
+    sig = _sig(cols=96, rows_bucket=20)
+    (tmp_path / "test-gpu-80gb.json").write_text(json.dumps(
+        {"gpu": "Test GPU 80GB", "cells": {sig._replace(rows_bucket=19).key(): {"torch": 1.0, "cudnn": 9.0}}}))
+    monkeypatch.setattr(_decisions, "PRIORS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU 80GB")
+    _decisions._prior_table.cache_clear()
+    assert _decisions.prior_times(sig, 0) == {"torch": 1.0, "cudnn": 9.0}, "a neighbouring row bucket"
+    assert _decisions.prior_times(sig._replace(cols=104), 0) == {}
+    assert _decisions.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    _decisions._prior_table.cache_clear()
+
+
+def test_cpu_calls_are_not_measured(monkeypatch):
+    monkeypatch.setattr(_decisions, "server", lambda *a: pytest.fail("a CPU call was measured"))
+    x, w, b = _input()
+    assert _decisions.serves("layer_norm", x, 88, w, b, True) == "cudnn"  # cudnorm's own path decides (CPU: PyTorch)
+    torch.testing.assert_close(cudnorm.layer_norm(x, (88,), w, b), torch.nn.functional.layer_norm(x, (88,), w, b))

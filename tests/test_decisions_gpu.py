@@ -1,0 +1,135 @@
+"""The measured dispatcher on a GPU: a first call measures every candidate and later calls take
+its decision (in Python and in C++), every kernel it can pick passes the reference rule at the
+widths the sweep found cliffs at, and nothing is timed while a CUDA graph is captured."""
+
+import pytest
+import torch
+
+import cudnorm
+from cudnorm import _candidates, _decisions, _native, _plan_store
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+BF16 = torch.bfloat16
+# widths where cuDNN 9.19 fell off a cliff on an H100, one where it wins, one wide
+WIDTHS = (88, 96, 128, 1152, 2240, 4096)
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path):
+    with cudnorm.config(plan_store_dir=str(tmp_path / "store")):
+        cudnorm.clear_cache()
+        yield
+        cudnorm.clear_cache()
+
+
+def _force(op, x, weight, bias, training, name):
+    """Make ``name`` serve the signature of this call (C++'s table emptied so it asks again)."""
+    sig = _candidates.signature(op, training, x, weight, bias, x.shape[-1])
+    _decisions._keep((sig, x.get_device(), torch.are_deterministic_algorithms_enabled()), name, {"source": "test"})
+    _native.forget()
+
+
+def _errors(op, x, weight, bias, dy):
+    """Relative errors of y, dx, dw against fp64, for cudnorm's call and PyTorch's own."""
+    def run(fn, xx, ww, bb):
+        xx, ww = xx.detach().requires_grad_(), ww.detach().requires_grad_()
+        bb = None if bb is None else bb.detach().requires_grad_()
+        y = fn(xx, ww, bb)
+        y.backward(dy.to(y.dtype))
+        return [y, xx.grad, ww.grad]
+
+    n = (x.shape[-1],)
+    if op == "layer_norm":
+        ours = run(lambda a, w, b: cudnorm.layer_norm(a, n, w, b), x, weight, bias)
+        theirs = run(lambda a, w, b: torch.nn.functional.layer_norm(a, n, w, b), x, weight, bias)
+        ref = run(lambda a, w, b: torch.nn.functional.layer_norm(a, n, w, b), x.double(), weight.double(),
+                  bias.double())
+    else:
+        ours = run(lambda a, w, b: cudnorm.rms_norm(a, n, w, 1e-5), x, weight, None)
+        theirs = run(lambda a, w, b: torch.nn.functional.rms_norm(a, n, w, 1e-5), x, weight, None)
+        ref = run(lambda a, w, b: torch.nn.functional.rms_norm(a, n, w, 1e-5), x.double(), weight.double(), None)
+
+    def rel(a, r):
+        return ((a.double() - r).norm() / r.norm()).item()
+    return [rel(a, r) for a, r in zip(ours, ref)], [rel(a, r) for a, r in zip(theirs, ref)]
+
+
+@pytest.mark.parametrize("name", ["torch", "cudnn", "kernel"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("cols", WIDTHS)
+def test_every_candidate_passes_the_reference_rule(name, op, cols):
+    rows = max(4096, (1 << 21) // cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=BF16)
+    weight = (1 + 0.1 * torch.randn(cols, device="cuda")).to(BF16)
+    bias = (0.1 * torch.randn(cols, device="cuda")).to(BF16) if op == "layer_norm" else None
+    sig = _candidates.signature(op, True, x, weight, bias, cols)
+    if not _candidates.CANDIDATES[name].supports(sig):
+        pytest.skip(f"{name} does not serve {sig.key()}")
+    _force(op, x, weight, bias, True, name)
+    dy = torch.randn_like(x)
+    ours, theirs = _errors(op, x, weight, bias, dy)
+    for what, a, t in zip(("y", "dx", "dw"), ours, theirs):
+        # PyTorch sums bf16 dW in fp32 and rounds once, as every candidate does: 2x its error, with a floor
+        # for the cases where its error is ~0 (an exactly representable result)
+        assert a <= 2 * t + 1e-3, f"{name} {op} {cols}: {what} error {a:.3g} vs PyTorch's {t:.3g}"
+
+
+def test_first_call_measures_and_later_calls_reuse(tmp_path):
+    x = torch.randn(1 << 16, 96, device="cuda", dtype=BF16, requires_grad=True)
+    weight = torch.ones(96, device="cuda", dtype=BF16, requires_grad=True)
+    bias = torch.zeros(96, device="cuda", dtype=BF16, requires_grad=True)
+    cudnorm.layer_norm(x, (96,), weight, bias).sum().backward()
+    [row] = [r for r in cudnorm.serving_decisions() if "/n=96/" in r["signature"]]
+    assert row["source"] in ("measured", "prior") and row["serves"] in ("torch", "cudnn", "kernel")
+    if row["source"] == "measured":
+        assert set(row["ms"]) >= {"torch"}, row
+    before = cudnorm.cache_info().caches.get("native", {})
+    for _ in range(3):
+        cudnorm.layer_norm(x, (96,), weight, bias).sum().backward()
+    assert len([r for r in cudnorm.serving_decisions() if "/n=96/" in r["signature"]]) == 1
+    assert cudnorm.plan_store_info()["decisions"] >= (row["source"] == "measured")
+    assert cudnorm.cache_info().caches.get("native", {}).get("resolved", 0) >= before.get("resolved", 0)
+
+
+def test_decision_is_stored_for_the_next_process(tmp_path):
+    x = torch.randn(1 << 15, 2240, device="cuda", dtype=BF16)
+    w = torch.ones(2240, device="cuda", dtype=BF16)
+    cudnorm.rms_norm(x, (2240,), w)
+    [row] = cudnorm.serving_decisions()
+    cudnorm.clear_cache()  # as a new process: the store answers without timing
+    cudnorm.rms_norm(x, (2240,), w)
+    [again] = cudnorm.serving_decisions()
+    assert again["serves"] == row["serves"]
+    assert again["source"] in ("stored", "prior", "only candidate")
+
+
+def test_nothing_is_timed_during_capture(monkeypatch):
+    monkeypatch.setattr(_decisions, "measure", lambda *a, **k: pytest.fail("timed during capture"))
+    x = torch.randn(1 << 14, 104, device="cuda", dtype=BF16)
+    w = torch.ones(104, device="cuda", dtype=BF16)
+    static_y = cudnorm.rms_norm(x, (104,), w)  # warm-up outside: may decide from the prior only (measure is patched)
+    cudnorm.clear_cache()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        static_y = cudnorm.rms_norm(x, (104,), w)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_y, torch.nn.functional.rms_norm(x, (104,), w), atol=2e-2, rtol=2e-2)
+    assert not [r for r in cudnorm.serving_decisions() if r["source"] == "measured"]
+
+
+def test_deterministic_mode_keeps_to_deterministic_candidates():
+    x = torch.randn(1 << 15, 128, device="cuda", dtype=BF16)
+    w = torch.ones(128, device="cuda", dtype=BF16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        cudnorm.rms_norm(x, (128,), w)
+        rows = [r for r in cudnorm.serving_decisions() if r["deterministic"]]
+        assert rows and all(r["serves"] in ("torch", "kernel") for r in rows)
+    finally:
+        torch.use_deterministic_algorithms(False)
