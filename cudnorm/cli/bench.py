@@ -9,6 +9,10 @@ Run::
     cudnorm bench --ops ln_bwd,rms_bwd --providers cudnorm,quack,torch-again --shapes 32768x4096
     cudnorm bench --cuda-graph --host-overhead --ops rms_fwd --shapes 256x256
     cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNGs, reprint
+    cudnorm bench --sweep [full] --out DIR   # LayerNorm/RMSNorm at every width and row count vs PyTorch,
+                                             # and the dispatcher's prior: _bench/sweep.py
+    cudnorm bench --sweep --quick            # a handful of cells, any device (seconds on a CPU)
+    cudnorm bench --sweep --widths 88,96,2240 --elements 21,25 --providers torch,cudnorm,torch-again
     cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2, and
                                                 # diffusers'/transformers' own: _bench/real_models):
                                                 # _bench/models.py
@@ -35,7 +39,7 @@ from pathlib import Path
 import torch
 
 from .. import _bench
-from .._bench import host_overhead, model_zoo, models, plots, providers, real_models, report, runner
+from .._bench import host_overhead, model_zoo, models, plots, providers, real_models, report, runner, sweep
 from .._spec import dtype_from_name
 from . import _args
 
@@ -48,6 +52,16 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
         return runner.parse_shapes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return values
 
 
 def add_arguments(parser) -> None:
@@ -70,9 +84,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
                         help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
                              "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
+    parser.add_argument("--sweep", nargs="?", const="default", choices=("default", "full"),
+                        help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
+                             "(cudnorm/_bench/sweep.py); 'full': every dtype, weight dtype and direction")
+    parser.add_argument("--widths", type=_ints, help="with --sweep: only these widths (e.g. 88,96,2240)")
+    parser.add_argument("--elements", type=_ints, metavar="EXPONENTS",
+                        help="with --sweep: only these element counts, as powers of two (e.g. 21,25)")
+    parser.add_argument("--jobs", type=_args.positive_int,
+                        help=f"with --sweep: processes building cuDNN plans ahead (default min(12, CPUs) = "
+                             f"{sweep.default_jobs()})")
     parser.add_argument("--from-csv", metavar="CSV", type=_args.input_file,
-                        help="run nothing: redraw the plots and reprint the tables of a bench.csv, models.csv "
-                             "or host_overhead.csv")
+                        help="run nothing: redraw the plots and reprint the tables of a bench.csv, models.csv, "
+                             "host_overhead.csv or sweep.csv")
     parser.add_argument("--call", help="with --from-csv of a results file with a 'call' column: draw this "
                                        "device call (default: the latest)")
 
@@ -94,11 +117,13 @@ def _command(args) -> str:
     models_filter = getattr(args, "models", None)
     parts = ["cudnorm", "bench"] + (["--models"] + ([] if models_filter == "all" else [models_filter])
                                     if models_filter else [])
+    sweep_kind = getattr(args, "sweep", None)
+    parts += (["--sweep"] + ([] if sweep_kind == "default" else [sweep_kind])) if sweep_kind else []
     parts += ["--quick"] if args.quick else []
-    for flag in ("ops", "providers", "shapes", "dtype", "out"):
-        value = getattr(args, flag)
-        if flag == "shapes" and value:
-            value = ",".join("x".join(map(str, shape)) for shape in value)
+    for flag in ("ops", "providers", "shapes", "widths", "elements", "jobs", "dtype", "out"):
+        value = getattr(args, flag, None)
+        if flag in ("shapes", "widths", "elements") and value:
+            value = ",".join("x".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
         if value and not (flag == "dtype" and value == "bf16"):
             parts += [f"--{flag}", str(value)]
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
@@ -124,11 +149,12 @@ def _from_csv(path: Path, call: str | None) -> int:
         raise _args.UsageError("--from-csv", f"{str(path)!r} is not a CSV file ({exc})") from None
     if call is not None and "call" not in columns:
         raise _args.UsageError("--call", f"{str(path)!r} has no 'call' column")
-    kinds = [(report.COLUMNS, _redraw_ops), (models.BASE_COLUMNS, _redraw_models),
+    kinds = [(sweep.COLUMNS, _redraw_sweep), (report.COLUMNS, _redraw_ops), (models.BASE_COLUMNS, _redraw_models),
              (host_overhead.COLUMNS, _redraw_host)]
     redraw = next((redraw for needed, redraw in kinds if set(needed) <= columns), None)
     if redraw is None:
-        raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv or host_overhead.csv "
+        raise _args.UsageError("--from-csv", f"{str(path)!r} is not a bench.csv, models.csv, host_overhead.csv "
+                                             "or sweep.csv "
                                              f"(columns {sorted(columns)[:8]})")
     try:  # the file is the input: a value that does not parse is a usage error
         rows = _typed_rows(redraw, path, call)
@@ -143,6 +169,8 @@ def _typed_rows(redraw, path: Path, call: str | None) -> list[dict]:
     as numbers), only those of ``call`` when given."""
     if redraw is _redraw_ops:
         rows = report.read_csv(path)
+    elif redraw is _redraw_sweep:
+        rows = sweep.read_csv(path)
     else:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -168,6 +196,24 @@ def _redraw_ops(rows: list[dict], path: Path) -> int:
     return 0
 
 
+def _redraw_sweep(rows: list[dict], path: Path) -> int:
+    pngs = sweep.heatmaps(rows, path.resolve().parent.name, path.parent)
+    print("redrew " + ", ".join(map(str, pngs)) if pngs else "no PNG: matplotlib is not installed or nothing was timed")
+    _print_sweep(rows)
+    return 0
+
+
+def _print_sweep(rows: list[dict]) -> None:
+    print("\n" + report.text_table(sweep.worst_per_provider(rows), right=0))
+    print("\n" + report.text_table(sweep.medians(rows), right=0))
+    print(f"\n{SWEEP_LEGEND}\nWorst 20 cells\n" + report.text_table(sweep.worst_table(rows), right=0))
+
+
+SWEEP_LEGEND = ("ratio = PyTorch's GPU time / the provider's (> 1: faster than PyTorch); cudnorm = the default "
+                "policy as a user calls it, cudnn = policy='cudnn', kernel = cudnorm's Triton kernel, torch-again = "
+                "PyTorch timed again (the noise floor); serves = the dispatcher's decision.")
+
+
 def _redraw_models(rows: list[dict], path: Path) -> int:
     png = models.plot(rows, path.resolve().parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed or nothing was timed")
@@ -191,6 +237,11 @@ def run(args) -> int:
     if args.call is not None:
         raise _args.UsageError("--call", "only goes with --from-csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    sweep_flags = [f"--{f}" for f in ("widths", "elements", "jobs") if getattr(args, f) is not None]
+    if args.sweep:
+        return _run_sweep(args, device)
+    if sweep_flags:
+        raise _args.UsageError(sweep_flags[0], "goes with --sweep")
     if args.models:  # what to run, checked before anything is written
         for flag, default in (("ops", None), ("shapes", None), ("dtype", "bf16")):
             if getattr(args, flag) != default:
@@ -315,3 +366,72 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
     for title, lines in lines_by_title.items():
         print(f"\n{title}\n{report.text_table(lines, right=0)}")
     return 1 if failed else 0
+
+
+def _run_sweep(args, device: str) -> int:
+    """``cudnorm bench --sweep``: the grid of :mod:`cudnorm._bench.sweep`; the worst cells last."""
+    import json  # noqa: PLC0415
+
+    import cudnorm  # noqa: PLC0415
+
+    for flag in ("ops", "shapes", "models", "cuda_graph", "host_overhead", "host_passes"):
+        if getattr(args, flag):
+            raise _args.UsageError(f"--{flag.replace('_', '-')}", "does not apply to --sweep (it has its own grid: "
+                                                                   "--widths, --elements)")
+    names = [n for n in _pick(args.providers, sweep.PROVIDERS, "providers")]
+    if "torch" not in names:
+        names.insert(0, "torch")  # every ratio is against it
+    grid = sweep.narrowed(sweep.grid("quick" if args.quick else args.sweep, args.dtype), args.widths, args.elements)
+    cells = sweep.cells(grid)
+    if not cells:
+        raise _args.UsageError("--widths", "with --elements leaves no cell")
+    started = time.perf_counter()
+    out = args.out or Path(tempfile.mkdtemp(prefix="cudnorm-sweep-"))
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"writing into {out}\ncudnorm bench --sweep on {device_name} ({_bench.versions()}): {len(cells)} cells")
+    chosen = []
+    for name in names:
+        why = sweep.unavailable(name, device)
+        print(f"  provider {name:<12} {'available' if why is None else why}")
+        if why is None:
+            chosen.append(name)
+    if device == "cpu":
+        print(CPU_CAVEAT)
+    command = _command(args)
+    notes = []
+    if device == "cuda":
+        store = Path(cudnorm.get_config().plan_store_dir or out / "plan-store")
+        cudnorm.config(plan_store_dir=str(store))
+        jobs = args.jobs or sweep.default_jobs()
+        build_start = time.perf_counter()
+        failed = sweep.prepare(cells, store, jobs)
+        notes.append(f"plans built ahead in {jobs} processes into {store} in {time.perf_counter() - build_start:.0f} s"
+                     + (f" ({len(failed)} failed, built at first call: {failed[0]})" if failed else ""))
+        print(notes[-1])
+    rows, prior = sweep.run(cells, chosen, device, out)
+    pngs = sweep.heatmaps(rows, device_name, out)
+    meta = {"command": command, "device": device_name, "versions": _bench.versions(), "cells": str(len(cells)),
+            "providers": ", ".join(chosen),
+            "timing": f"CUDA events around {sweep.ROUNDS} rounds of calls on rotating input sets after a GPU sleep "
+                      "covering the host's enqueueing (median); host = perf_counter around the enqueue loop"
+                      if device == "cuda" else "perf_counter (CPU)", **{f"note {i}": n for i, n in enumerate(notes)}}
+    if prior is not None:
+        from .. import _decisions  # noqa: PLC0415
+
+        (out / "prior.json").write_text(json.dumps(sweep.prior_document(prior, command), indent=1) + "\n")
+        meta["prior"] = (f"{out / 'prior.json'} ({len(prior)} signatures; copy to cudnorm/priors/"
+                         f"{_decisions.gpu_slug(device_name)}.json); prior in effect during the run: "
+                         f"{_decisions.prior_file()}")
+    meta["run time"] = f"{time.perf_counter() - started:.0f} s"
+    (out / "summary.md").write_text(sweep.summary_markdown(rows, meta))
+    print(f"\nwrote {out / 'sweep.csv'}, {out / 'summary.md'}" + ("" if prior is None else f", {out / 'prior.json'}")
+          + (", " + ", ".join(map(str, pngs)) if pngs else " (no PNG: matplotlib is not installed)")
+          + f" after {meta['run time']}")
+    failed_rows = [r for r in rows if r["provider"] == "cudnorm" and r.get("error")]
+    for r in failed_rows[:20]:
+        print(f"FAILED: cudnorm {r['op']} {r['direction']} {r['cols']}x{r['rows']}: {r['error']}")
+    if device == "cpu":
+        print("\n" + CPU_CAVEAT)
+    _print_sweep(rows)
+    return 1 if failed_rows else 0
