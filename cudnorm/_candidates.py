@@ -182,22 +182,25 @@ CLIFF = 3.0
 
 
 def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float = BUDGET_MS,
-                  rounds: int = ROUNDS, device=None) -> dict[str, Timing]:
+                  rounds: int = ROUNDS, device=None, errors: dict | None = None) -> dict[str, Timing]:
     """Time each closure on the current CUDA stream: one untimed call (builds, compiles,
-    caches), one timed call, then ``rounds`` interleaved rounds of as many calls as fit the
-    budget; events around each round give its time per call. Closures that fail on their
-    first call are left out of the result."""
+    caches), two timed calls (the faster screens out cliffs), then ``rounds`` interleaved rounds
+    of as many calls as fit the budget; events around each round give its time per call.
+    Closures that fail on their first call are left out of the result (and named in ``errors``
+    with what they raised)."""
     stream = torch.cuda.current_stream(device)
     alive = {}
     for name, fn in closures.items():
         try:
             fn()
-        except Exception:  # noqa: BLE001 - a candidate that cannot run this call is not a candidate
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run this call is not a candidate
+            if errors is not None:
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
         alive[name] = fn
     if not alive:
         return {}
-    first = {name: _elapsed_ms(fn, 1, stream) for name, fn in alive.items()}
+    first = {name: min(_elapsed_ms(fn, 1, stream), _elapsed_ms(fn, 1, stream)) for name, fn in alive.items()}
     best = min(first.values())
     out = {name: Timing(ms, 0.0, 1) for name, ms in first.items() if ms > CLIFF * best}
     timed = {name: fn for name, fn in alive.items() if name not in out}

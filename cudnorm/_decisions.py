@@ -92,10 +92,12 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
     if _runtime.capturing() or not _settings.current.measure:
         known = [n for n in names if prior and n in prior]
         return min(known, key=prior.__getitem__) if known else baseline  # a stand-in, not kept
-    timings = measure(sig, input, weight, bias, names, eps)
+    errors: dict = {}
+    timings = measure(sig, input, weight, bias, names, eps, errors)
     choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
-              "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time()}
+              "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time(),
+              "errors": errors}
     kept = _plan_store.save_decision(sig.key(), device, deterministic, record)
     if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
         return _keep(key, kept["choice"], {**kept, "source": "stored (another process decided first)"})
@@ -109,14 +111,16 @@ def _keep(key: tuple, choice: str, why: dict) -> str:
     return choice
 
 
-def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5) -> dict:
-    """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``)."""
+def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5,
+            errors: dict | None = None) -> dict:
+    """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``);
+    candidates that raised are named in ``errors``."""
     x = _dispatch.cudnn_rows(input.detach().reshape(-1, sig.cols))
     w = None if weight is None else weight.detach().reshape(sig.cols)
     b = None if bias is None else bias.detach().reshape(sig.cols)
     with torch.no_grad():
         closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
-        return _candidates.time_closures(closures, device=x.device)
+        return _candidates.time_closures(closures, device=x.device, errors=errors)
 
 
 def forget() -> None:
@@ -136,7 +140,7 @@ def decisions() -> list[dict]:
     for (sig, device, deterministic), why in items:
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
                      "serves": why["choice"], "source": why.get("source", ""), "ms": why.get("ms", {}),
-                     "prior_ms": why.get("prior_ms") or {}})
+                     "prior_ms": why.get("prior_ms") or {}, "errors": why.get("errors") or {}})
     return rows
 
 

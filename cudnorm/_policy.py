@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _settings
+from . import _entry, _settings
 
 _F32 = torch.float32
 
@@ -123,5 +123,8 @@ def _mixed_off_cuda(input: torch.Tensor, params) -> bool:
 
 def prefers_torch(plain_cuda: bool, numel: int) -> bool:
     """Rules 1-3 of the module docstring for a call whose weights have the input's dtype:
-    ``plain_cuda``, the input is a plain CUDA tensor; ``numel``, its element count."""
-    return not plain_cuda or torch.compiler.is_compiling() or numel < CUDNN_MIN_ELEMENTS
+    ``plain_cuda``, the input is a plain CUDA tensor; ``numel``, its element count. While the
+    native path serves, a call it hands to Python (to run cudnorm's own kernel) was past its
+    threshold already."""
+    return not plain_cuda or torch.compiler.is_compiling() or numel < (
+        NATIVE_CUDNN_MIN_ELEMENTS if _entry.native else CUDNN_MIN_ELEMENTS)

@@ -396,14 +396,14 @@ def _prepare_job(job: tuple) -> str:
     """Build one shape's cuDNN plans into the plan store and compile cudnorm's kernel for it
     (run in a worker process; ``""`` or what failed)."""
     import cudnorm  # noqa: PLC0415
-    from .. import warmup  # noqa: PLC0415
+    from ..warmup import norm_specs  # noqa: PLC0415 - cudnorm.warmup is the function, not the module
 
     op, dtype_name, weight_name, bias, cols, rows, directions = job
     dtype, weight_dtype = DTYPES[dtype_name], DTYPES.get(weight_name)
     phases = (("train", "bwd") if any(d != "infer" for d in directions) else ()) + (
         ("infer",) if "infer" in directions else ())
     try:
-        cudnorm.warmup(warmup.norm_specs(op, rows, cols, x_dtype=dtype, weight_dtype=weight_dtype, device_index=0,
+        cudnorm.warmup(norm_specs(op, rows, cols, x_dtype=dtype, weight_dtype=weight_dtype, device_index=0,
                                          phases=phases), progress=False)
         x = torch.randn((rows, cols), dtype=dtype, device="cuda")
         w = None if weight_dtype is None else torch.ones(cols, dtype=weight_dtype, device="cuda")
