@@ -54,16 +54,18 @@ class Config(NamedTuple):
     programs_per_sm: int
 
 
-# Untuned guesses, to be measured (benchmarks/norm_kernel.py):
-# elements per tile for narrow rows: 16 (backward: 8) fp32 values per thread of 4 warps, so that
-# x, dy and the two gradient accumulators fit in registers
+# Untuned guesses, to be measured (benchmarks/norm_kernel.py). Register counts are ptxas's for
+# sm_90, bf16 (offline compiles): a backward thread of 8 values per tensor takes 64 registers,
+# of 16 about 100-128, of 32 170; a forward one of 16 values 48.
+# elements per tile for narrow rows, forward and backward, over 4 warps: 16 and 8 values a thread
 _TILE_ELEMENTS = {False: 2048, True: 1024}
 _NARROW_WARPS = 4
-# a thread of a wide row holds 8 values
+# a thread of a wide row holds 8 values (16 from 16384 columns: a program has at most 32 warps)
 _WIDE_VALUES_PER_THREAD = 8
-# backward: 16 warps per SM, so every program of the fixed grid is resident at once (a program
-# waiting for a free slot would double the time of the rows it was given)
-_BACKWARD_WARPS_PER_SM = 16
+# backward: warps per SM of the fixed grid, so that every program is resident at once (at 64
+# registers a thread, 32 warps fill the register file; a program waiting for a free slot would
+# double the time of the tiles it was given)
+_BACKWARD_WARPS_PER_SM = 32
 
 
 def _pow2(n: int) -> int:
@@ -78,7 +80,7 @@ def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) ->
     block_n = _pow2(cols)
     if block_n >= WIDE_COLS:
         block_m = 1
-        warps = min(16, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD)))
+        warps = min(32, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD)))
     else:
         block_m = min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows))
         warps = _NARROW_WARPS

@@ -1,0 +1,204 @@
+"""cudnorm's own LayerNorm/RMSNorm kernels (cudnorm._norm_kernel): their arithmetic under
+Triton's interpreter on a CPU (skipped without Triton), the launch shapes, and on a GPU the
+same checks at real sizes. Every check holds the kernel to the 2x rule (its error against fp64
+at most twice PyTorch's own in the same dtype; fp32 to :data:`reference.ERROR_FLOOR`) and runs
+with ``torch.empty`` / ``torch.empty_like`` filled with NaN, so an element the kernel does not
+write (an output, a statistic, a partial row of the weight gradient) shows."""
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cudnorm import _norm_kernel as nk
+from cudnorm import reference as ref
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+EPS = 1e-5
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """``torch.empty`` and ``torch.empty_like`` return NaN-filled floating tensors meanwhile."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def _reference(x, w, b, rms):
+    """fp64 ``y`` (bias added to RMSNorm too: the kernel takes one)."""
+    if not rms:
+        return ref.layer_norm(x, w, b, EPS)
+    y = ref.rms_norm(x, w, EPS)
+    return y if b is None else y + b.double()
+
+
+def _torch(x, w, b, rms):
+    """PyTorch's op in x's dtype (parameters cast to it): the baseline of the 2x rule."""
+    w, b = (None if t is None else t.to(x.dtype) for t in (w, b))
+    if not rms:
+        return F.layer_norm(x, (x.shape[1],), w, b, EPS)
+    y = F.rms_norm(x, (x.shape[1],), w, EPS)
+    return y if b is None else y + b
+
+
+def _check(rows, cols, dtype, wdtype, bdtype, rms, device="cpu", config=None):
+    """Forward statistics and values, and through :func:`nk.norm` the output and every
+    gradient, against fp64 under the 2x rule; asserts, naming the case."""
+    case = f"{'rms' if rms else 'ln'} {rows}x{cols} {dtype} w={wdtype} b={bdtype} {config}"
+    x = (2 * torch.randn(rows, cols, device=device) + 0.5).to(dtype)
+    w = None if wdtype is None else (1 + 0.5 * torch.randn(cols, device=device)).to(wdtype)
+    b = None if bdtype is None else (0.3 * torch.randn(cols, device=device)).to(bdtype)
+    with _poisoned_allocations():
+        y, stats = nk.forward(x, w, b, EPS, rms, training=True, config=config)
+        y_eval, none = nk.forward(x, w, b, EPS, rms, training=False, config=config)
+    assert none is None and torch.equal(y, y_eval), case
+    xd = x.double()
+    mean = torch.zeros_like(xd[:, 0]) if rms else xd.mean(1)
+    rstd = ((xd - mean[:, None]).square().mean(1) + EPS).rsqrt()
+    assert stats.dtype == F32 and stats.shape == (1 if rms else 2, rows), case
+    assert ref.rel_error(stats[-1], rstd) < 1e-6, case
+    if not rms:
+        assert ref.rel_error(stats[0], mean) < 1e-6, case
+
+    def candidate(x, w, b):
+        if config is None:
+            return nk.norm(x, w, b, EPS, rms)
+        y, stats = nk.forward(x, w, b, EPS, rms, training=True, config=config)
+        return _Frozen.apply(x, w, b, y, stats, rms, config)
+
+    with _poisoned_allocations():
+        report = ref.accuracy_report(candidate, lambda x, w, b: _torch(x, w, b, rms),
+                                     lambda x, w, b: _reference(x, w, b, rms),
+                                     (x, w, b), torch.randn_like(x), ("y", "dx", "dweight", "dbias"), dtype)
+    bad = [r for r in report if not r["ok"]]
+    assert not bad, f"{case}: {bad}"
+
+
+class _Frozen(torch.autograd.Function):
+    """:func:`nk.norm` with a launch shape: the forward's results passed in, the backward
+    through :func:`nk.backward` with the same ``config``."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, y, stats, rms, config):
+        ctx.save_for_backward(x, w, stats)
+        ctx.rms, ctx.config, ctx.bias_dtype = rms, config, None if b is None else b.dtype
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, stats = ctx.saved_tensors
+        dx, dw, db = nk.backward(dy, x, w, stats, ctx.rms, ctx.bias_dtype, config=ctx.config)
+        return dx, dw, db, None, None, None, None
+
+
+# (rows, cols, dtype, weight dtype, bias dtype, rms, config): every width both ways, each dtype,
+# weights absent / of x's dtype / fp32, bias absent / present, row counts that leave a partial tile
+_SMALL = nk.Config(block_m=4, num_warps=4, programs_per_sm=3)  # 3 programs over 10 tiles, the last partial
+_CASES = [
+    (37, 8, F32, F32, F32, False, None),
+    (37, 8, BF16, None, None, True, _SMALL),
+    (37, 88, BF16, BF16, BF16, False, _SMALL),
+    (37, 88, F16, F32, None, True, None),
+    (21, 96, F16, F16, F32, False, None),
+    (21, 96, BF16, F32, None, True, _SMALL),
+    (13, 256, BF16, F32, F32, False, None),
+    (13, 256, F32, None, None, True, None),
+    (9, 1000, F32, None, F32, False, _SMALL),
+    (9, 1000, BF16, BF16, None, True, None),
+    (6, 2240, BF16, BF16, BF16, False, None),
+    (6, 2240, F16, F32, BF16, True, _SMALL),
+]
+
+
+def _check_interpreted():
+    """Runs in a child process started with ``TRITON_INTERPRET=1`` (Triton reads it when
+    imported, so the test process, whose Triton may already run on a GPU, cannot switch)."""
+    torch.manual_seed(0)
+    for case in _CASES:
+        *shape, config = case
+        _check(*shape, config=config)
+    print("interpreted cases ok")
+
+
+def test_interpreted_kernels_meet_the_2x_rule():
+    """Every case of :data:`_CASES` under Triton's interpreter (about 8 s on 2 cores, most of it
+    the child's imports: one child runs them all)."""
+    pytest.importorskip("triton")
+    code = "import sys; sys.path.insert(0, 'tests'); import test_norm_kernel as t; t._check_interpreted()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and "interpreted cases ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_supports_widths_and_dtypes():
+    assert nk.supports(88, BF16, None, None) and nk.supports(nk.MAX_COLS, F16, F32, F16)
+    assert nk.supports(1, F32, F32, None)
+    assert not nk.supports(nk.MAX_COLS + 1, BF16, None, None) and not nk.supports(0, BF16, None, None)
+    assert not nk.supports(64, torch.float64, None, None)
+    assert not nk.supports(64, BF16, F16, None) and not nk.supports(64, F16, None, BF16)
+
+
+def test_available_is_whether_triton_imports():
+    try:
+        import triton  # noqa: F401
+        has = True
+    except ImportError:
+        has = False
+    assert nk.available() is has
+
+
+@pytest.mark.parametrize("cols", [1, 8, 64, 88, 96, 128, 256, 1000, 1152, 1408, 2240, 4096, 8192, nk.MAX_COLS])
+@pytest.mark.parametrize("rows", [1, 37, 1 << 20])
+def test_config_shapes(cols, rows):
+    """Power-of-two tiles no taller than the rows need; a backward grid small enough to be
+    resident at once (its programs' warps within the per-SM budget)."""
+    for backward in (False, True):
+        c = nk._config(cols, BF16, rows, backward)
+        assert c.block_m & (c.block_m - 1) == 0 and c.block_m <= max(1, nk._pow2(rows))
+        assert 1 <= c.num_warps <= 32 and c.num_warps & (c.num_warps - 1) == 0
+        assert c.block_m * nk._pow2(cols) <= max(nk.MAX_COLS, 2048)
+        if backward:
+            assert c.programs_per_sm >= 1 and c.programs_per_sm * c.num_warps <= 32
+        else:
+            assert c.programs_per_sm == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, cols, dtype, wdtype, bdtype, rms", [
+    (190000, 88, BF16, BF16, BF16, False),  # a per-head norm: rows = batch * heads * tokens
+    (190000, 88, BF16, BF16, None, True),
+    (1 << 18, 128, F16, F32, F32, False),
+    (50000, 96, BF16, None, None, True),
+    (32768, 4096, BF16, BF16, BF16, False),
+    (32768, 4096, BF16, F32, None, True),
+    (4096, 2240, BF16, BF16, BF16, False),
+    (8192, 1152, F32, F32, F32, True),
+    (1000, nk.MAX_COLS, BF16, BF16, None, False),
+])
+def test_gpu_kernels_meet_the_2x_rule(rows, cols, dtype, wdtype, bdtype, rms):
+    _check(rows, cols, dtype, wdtype, bdtype, rms, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_deterministic():
+    x = torch.randn(190000, 88, device="cuda", dtype=BF16)
+    w = torch.randn(88, device="cuda", dtype=BF16)
+    _, stats = nk.forward(x, w, None, EPS, False, training=True)
+    dy = torch.randn_like(x)
+    first, second = (nk.backward(dy, x, w, stats, False, BF16) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
