@@ -54,14 +54,15 @@ class Config(NamedTuple):
     programs_per_sm: int
 
 
-# Untuned guesses, to be measured (benchmarks/norm_kernel.py). Register counts are ptxas's for
-# sm_90, bf16 (offline compiles): a backward thread of 8 values per tensor takes 64 registers,
-# of 16 about 100-128, of 32 170; a forward one of 16 values 48.
-# elements per tile for narrow rows, forward and backward, over 4 warps: 16 and 8 values a thread
-_TILE_ELEMENTS = {False: 2048, True: 1024}
+# Launch shapes measured on an H100 (benchmarks/norm_kernel.py, bf16, 2^25 elements per width;
+# docs/performance.md, Decisions). Narrow rows: tiles of 4096 elements over 4 warps forward
+# (LayerNorm 90-97% of a device copy at widths 64-256 against 82-94% at 2048), 1024 backward
+# (74-86%, the fixed grid of 8 programs per SM). Wide rows: one row a tile, 16 values a thread
+# forward (LayerNorm 1152: 82% against 64% at 8), 8 backward. Register counts are ptxas's for
+# sm_90, bf16: a backward thread of 8 values per tensor takes 64 registers, of 16 about 100-128.
+_TILE_ELEMENTS = {False: 4096, True: 1024}
 _NARROW_WARPS = 4
-# a thread of a wide row holds 8 values (16 from 16384 columns: a program has at most 32 warps)
-_WIDE_VALUES_PER_THREAD = 8
+_WIDE_VALUES_PER_THREAD = {False: 16, True: 8}
 # backward: warps per SM of the fixed grid, so that every program is resident at once (at 64
 # registers a thread, 32 warps fill the register file; a program waiting for a free slot would
 # double the time of the tiles it was given)
@@ -75,12 +76,12 @@ def _pow2(n: int) -> int:
 def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) -> Config:
     """The launch shape for ``rows`` rows of ``cols`` values of ``dtype``, forward or backward.
 
-    Every constant here is an untuned guess, to be measured: ``benchmarks/norm_kernel.py``
-    times candidate shapes against it per width."""
+    The constants above come from ``benchmarks/norm_kernel.py``, which times candidate shapes
+    against this one per width."""
     block_n = _pow2(cols)
     if block_n >= WIDE_COLS:
         block_m = 1
-        warps = min(32, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD)))
+        warps = min(32, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD[backward])))
     else:
         block_m = min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows))
         warps = _NARROW_WARPS
