@@ -183,7 +183,8 @@ class Sets:
 
 def make_sets(cell: Cell, device: str) -> Sets:
     per_set = cell.rows * cell.cols * torch.tensor([], dtype=cell.dtype).element_size() * (2 if cell.training else 1)
-    count = max(3, min(MAX_SETS, -(-ROTATION_BYTES // per_set)))
+    # a CPU has no L2 to outgrow worth the time: the fewest sets that still rotate
+    count = 3 if device == "cpu" else max(3, min(MAX_SETS, -(-ROTATION_BYTES // per_set)))
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(shape, dtype, grad):
@@ -335,7 +336,7 @@ def _served(cell: Cell, sets: Sets) -> str:
     x = sets.xs[0]
     if not x.is_cuda or cell.direction not in ("train", "infer"):
         return ""
-    key = _candidates.signature(cell.op, cell.training, x, sets.weight, sets.bias, cell.cols).key()
+    key = cell_signature(cell, sets).key()
     return next((d["serves"] for d in _decisions.decisions() if d["signature"] == key), "")
 
 
@@ -373,13 +374,18 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
     return rows
 
 
+def cell_signature(cell: Cell, sets: Sets) -> _candidates.Signature:
+    """The dispatcher's signature of the cell's calls (the prior's key: what it looks up)."""
+    return _candidates.signature(cell.op, cell.training, sets.xs[0], sets.weight, sets.bias, cell.cols)
+
+
 def _time_prior(cell: Cell, sets: Sets, prior: dict) -> None:
     """The :mod:`cudnorm._candidates` closures of the cell's signature, timed as the dispatcher
     times them, into ``prior[signature key]``."""
     x = sets.xs[0].detach()
     weight = None if sets.weight is None else sets.weight.detach()
     bias = None if sets.bias is None else sets.bias.detach()
-    sig = _candidates.signature(cell.op, cell.training, x, weight, bias, cell.cols)
+    sig = cell_signature(cell, sets)
     with torch.no_grad():
         closures = {}
         for name in _candidates.candidates_for(sig):
