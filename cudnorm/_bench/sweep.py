@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
+import json
 import math
 import multiprocessing
 import os
@@ -79,6 +80,7 @@ ROUND_MS = 1.0  # a round's target GPU time (more passes only while under it)
 ROTATION_BYTES = 96 << 20  # the input sets together: about twice an H100's L2 cache
 MAX_SETS = 16
 PRIOR_BUDGET_MS = 20.0  # per signature, for the prior's candidates (the dispatcher's own: 40)
+STORE_MB = 8192
 SLEEP_CYCLES_PER_MS = 2.0e6  # ~ the GPU clock; sleeping longer only costs GPU time
 
 
@@ -424,12 +426,18 @@ def _prepare_job(job: tuple) -> str:
     return ""
 
 
+def store_config(store: Path | str) -> dict:
+    """The plan store the sweep builds into and loads from: large enough for the whole grid's
+    plans (thousands; the default 512 MB would evict the first before they are timed)."""
+    return {"plan_store_dir": str(store), "plan_store_max_mb": max(STORE_MB, _settings.current.plan_store_max_mb)}
+
+
 def _worker_init(store: str) -> None:
     import cudnorm  # noqa: PLC0415
 
     # policy "cudnn": warmup() makes no measured decisions here (timed beside other workers they
     # would be noise, and the store keeps the first one written)
-    cudnorm.config(plan_store_dir=store, policy="cudnn")
+    cudnorm.config(**store_config(store), policy="cudnn")
 
 
 def prepare(all_cells: list[Cell], store: Path, jobs: int) -> list[str]:
@@ -450,16 +458,23 @@ def default_jobs() -> int:
 
 # -- the run -------------------------------------------------------------------------------------
 
-def run(all_cells: list[Cell], names: list[str], device: str, out: Path, *, write_every: int = 50
-        ) -> tuple[list[dict], dict | None]:
-    """Time every cell (``sweep.csv`` kept current); ``(rows, prior cells or None on a CPU)``."""
+def run(all_cells: list[Cell], names: list[str], device: str, out: Path, command: str, *,
+        write_every: int = 50) -> tuple[list[dict], dict | None]:
+    """Time every cell; ``(rows, prior cells or None on a CPU)``. ``sweep.csv`` and (on a GPU)
+    ``prior.json`` are kept current, so a run cut short by its time limit leaves both."""
     prior = {} if device != "cpu" else None
     rows: list[dict] = []
+
+    def write():
+        report.write_csv(rows, out / "sweep.csv", COLUMNS)
+        if prior is not None:
+            (out / "prior.json").write_text(json.dumps(prior_document(prior, command), indent=1) + "\n")
+
     for i, cell in enumerate(progress(all_cells, len(all_cells), "cudnorm sweep"), 1):
         rows += run_cell(cell, names, device, prior)
         if i % write_every == 0:
-            report.write_csv(rows, out / "sweep.csv", COLUMNS)
-    report.write_csv(rows, out / "sweep.csv", COLUMNS)
+            write()
+    write()
     return rows, prior
 
 
