@@ -3,7 +3,9 @@
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
-#         notebooks notebooks-store host api autotune bench-ln bench-rms ada rows real-diffusers real-transformers
+#         notebooks notebooks-store host api autotune bench-ln bench-rms sweep ada rows real-diffusers real-transformers
+# sweep: cudnorm bench --sweep (default grid: widths x rows, cudnorm/cudnn/kernel/torch/torch-again, and the prior
+#   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own under OUT/sweep.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
 # the tests marked `alone` run after them, in one process.
@@ -72,6 +74,8 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
+    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout 480 python3 -m cudnorm.cli bench --sweep \
+                   --providers torch,cudnorm,cudnn,kernel,torch-again --out "$out/sweep" 2>&1 | tail -40 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
     real-diffusers) timeout 560 python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
+import json
 import math
 import multiprocessing
 import os
@@ -79,6 +80,7 @@ ROUND_MS = 1.0  # a round's target GPU time (more passes only while under it)
 ROTATION_BYTES = 96 << 20  # the input sets together: about twice an H100's L2 cache
 MAX_SETS = 16
 PRIOR_BUDGET_MS = 20.0  # per signature, for the prior's candidates (the dispatcher's own: 40)
+STORE_MB = 8192
 SLEEP_CYCLES_PER_MS = 2.0e6  # ~ the GPU clock; sleeping longer only costs GPU time
 
 
@@ -183,7 +185,8 @@ class Sets:
 
 def make_sets(cell: Cell, device: str) -> Sets:
     per_set = cell.rows * cell.cols * torch.tensor([], dtype=cell.dtype).element_size() * (2 if cell.training else 1)
-    count = max(3, min(MAX_SETS, -(-ROTATION_BYTES // per_set)))
+    # a CPU has no L2 to outgrow worth the time: the fewest sets that still rotate
+    count = 3 if device == "cpu" else max(3, min(MAX_SETS, -(-ROTATION_BYTES // per_set)))
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(shape, dtype, grad):
@@ -335,7 +338,7 @@ def _served(cell: Cell, sets: Sets) -> str:
     x = sets.xs[0]
     if not x.is_cuda or cell.direction not in ("train", "infer"):
         return ""
-    key = _candidates.signature(cell.op, cell.training, x, sets.weight, sets.bias, cell.cols).key()
+    key = cell_signature(cell, sets).key()
     return next((d["serves"] for d in _decisions.decisions() if d["signature"] == key), "")
 
 
@@ -373,13 +376,18 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
     return rows
 
 
+def cell_signature(cell: Cell, sets: Sets) -> _candidates.Signature:
+    """The dispatcher's signature of the cell's calls (the prior's key: what it looks up)."""
+    return _candidates.signature(cell.op, cell.training, sets.xs[0], sets.weight, sets.bias, cell.cols)
+
+
 def _time_prior(cell: Cell, sets: Sets, prior: dict) -> None:
     """The :mod:`cudnorm._candidates` closures of the cell's signature, timed as the dispatcher
     times them, into ``prior[signature key]``."""
     x = sets.xs[0].detach()
     weight = None if sets.weight is None else sets.weight.detach()
     bias = None if sets.bias is None else sets.bias.detach()
-    sig = _candidates.signature(cell.op, cell.training, x, weight, bias, cell.cols)
+    sig = cell_signature(cell, sets)
     with torch.no_grad():
         closures = {}
         for name in _candidates.candidates_for(sig):
@@ -418,12 +426,18 @@ def _prepare_job(job: tuple) -> str:
     return ""
 
 
+def store_config(store: Path | str) -> dict:
+    """The plan store the sweep builds into and loads from: large enough for the whole grid's
+    plans (thousands; the default 512 MB would evict the first before they are timed)."""
+    return {"plan_store_dir": str(store), "plan_store_max_mb": max(STORE_MB, _settings.current.plan_store_max_mb)}
+
+
 def _worker_init(store: str) -> None:
     import cudnorm  # noqa: PLC0415
 
     # policy "cudnn": warmup() makes no measured decisions here (timed beside other workers they
     # would be noise, and the store keeps the first one written)
-    cudnorm.config(plan_store_dir=store, policy="cudnn")
+    cudnorm.config(**store_config(store), policy="cudnn")
 
 
 def prepare(all_cells: list[Cell], store: Path, jobs: int) -> list[str]:
@@ -444,16 +458,23 @@ def default_jobs() -> int:
 
 # -- the run -------------------------------------------------------------------------------------
 
-def run(all_cells: list[Cell], names: list[str], device: str, out: Path, *, write_every: int = 50
-        ) -> tuple[list[dict], dict | None]:
-    """Time every cell (``sweep.csv`` kept current); ``(rows, prior cells or None on a CPU)``."""
+def run(all_cells: list[Cell], names: list[str], device: str, out: Path, command: str, *,
+        write_every: int = 50) -> tuple[list[dict], dict | None]:
+    """Time every cell; ``(rows, prior cells or None on a CPU)``. ``sweep.csv`` and (on a GPU)
+    ``prior.json`` are kept current, so a run cut short by its time limit leaves both."""
     prior = {} if device != "cpu" else None
     rows: list[dict] = []
+
+    def write():
+        report.write_csv(rows, out / "sweep.csv", COLUMNS)
+        if prior is not None:
+            (out / "prior.json").write_text(json.dumps(prior_document(prior, command), indent=1) + "\n")
+
     for i, cell in enumerate(progress(all_cells, len(all_cells), "cudnorm sweep"), 1):
         rows += run_cell(cell, names, device, prior)
         if i % write_every == 0:
-            report.write_csv(rows, out / "sweep.csv", COLUMNS)
-    report.write_csv(rows, out / "sweep.csv", COLUMNS)
+            write()
+    write()
     return rows, prior
 
 

@@ -370,8 +370,6 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
 
 def _run_sweep(args, device: str) -> int:
     """``cudnorm bench --sweep``: the grid of :mod:`cudnorm._bench.sweep`; the worst cells last."""
-    import json  # noqa: PLC0415
-
     import cudnorm  # noqa: PLC0415
 
     for flag in ("ops", "shapes", "models", "cuda_graph", "host_overhead", "host_passes"):
@@ -402,14 +400,14 @@ def _run_sweep(args, device: str) -> int:
     notes = []
     if device == "cuda":
         store = Path(cudnorm.get_config().plan_store_dir or out / "plan-store")
-        cudnorm.config(plan_store_dir=str(store))
+        cudnorm.config(**sweep.store_config(store))
         jobs = args.jobs or sweep.default_jobs()
         build_start = time.perf_counter()
         failed = sweep.prepare(cells, store, jobs)
         notes.append(f"plans built ahead in {jobs} processes into {store} in {time.perf_counter() - build_start:.0f} s"
                      + (f" ({len(failed)} failed, built at first call: {failed[0]})" if failed else ""))
         print(notes[-1])
-    rows, prior = sweep.run(cells, chosen, device, out)
+    rows, prior = sweep.run(cells, chosen, device, out, command)
     pngs = sweep.heatmaps(rows, device_name, out)
     meta = {"command": command, "device": device_name, "versions": _bench.versions(), "cells": str(len(cells)),
             "providers": ", ".join(chosen),
@@ -419,7 +417,6 @@ def _run_sweep(args, device: str) -> int:
     if prior is not None:
         from .. import _decisions  # noqa: PLC0415
 
-        (out / "prior.json").write_text(json.dumps(sweep.prior_document(prior, command), indent=1) + "\n")
         meta["prior"] = (f"{out / 'prior.json'} ({len(prior)} signatures; copy to cudnorm/priors/"
                          f"{_decisions.gpu_slug(device_name)}.json); prior in effect during the run: "
                          f"{_decisions.prior_file()}")

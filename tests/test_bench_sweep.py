@@ -1,0 +1,111 @@
+"""``cudnorm bench --sweep`` (cudnorm/_bench/sweep.py): the grid's rules, the quick run end to end
+on a CPU, the redraw from its CSV, and the prior's keys."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from cudnorm import _candidates, cli
+from cudnorm._bench import sweep
+
+
+def test_default_grid_follows_the_issue_rules():
+    g = sweep.grid()
+    multiples_of_8 = set(range(8, 257, 8))
+    multiples_of_64 = set(range(64, 8193, 64))
+    assert set(g.widths) == multiples_of_8 | multiples_of_64 | set(sweep.MODEL_WIDTHS)
+    assert len(multiples_of_8) == 32 and len(multiples_of_64) == 128
+    assert {1152, 1408, 2240, 2304, 3584, 3840, 5120} <= set(sweep.MODEL_WIDTHS)
+    assert g.head_widths == tuple(range(64, 257, 8))
+    cells = sweep.cells(g)
+    main = [c for c in cells if c.rows * c.cols <= 1 << 25]
+    head = [c for c in cells if c not in main]
+    # 2 ops (LN weight+bias, RMS weight) x 2 directions x widths x {2^21, 2^25}; rows = count // width
+    assert len(main) == 2 * 2 * len(g.widths) * 2
+    assert {c.rows for c in main if c.cols == 88} == {(1 << 21) // 88, (1 << 25) // 88}
+    assert len(head) == 2 * 2 * 25 and {c.rows * c.cols for c in head if c.cols == 128} == {1 << 26}
+    assert {(c.dtype, c.weight) for c in cells} == {(torch.bfloat16, torch.bfloat16)}
+
+
+def test_full_grid_and_filters():
+    full = sweep.grid("full")
+    assert full.counts == (1 << 17, 1 << 21, 1 << 25) and full.head_counts == (1 << 26, 1 << 27)
+    cells = sweep.cells(sweep.narrowed(full, widths=[88], exponents=[21]))
+    # 4 directions x (3 ops with a weight (LN w+b, LN w, RMS w) x 5 dtype pairs (bf16 and fp16 with weights in
+    # their dtype or fp32, fp32 with fp32) + 2 ops without (LN, RMS) x 3 dtypes)
+    assert len(cells) == 4 * (3 * 5 + 2 * 3)
+    assert {c.rows for c in cells} == {(1 << 21) // 88}
+    head_only = sweep.cells(sweep.narrowed(sweep.grid(), widths=[64, 4096], exponents=[26]))
+    assert {(c.cols, c.rows) for c in head_only} == {(64, 1 << 20)}
+
+
+def test_prior_key_is_the_dispatchers_signature(monkeypatch):
+    cell = sweep.Cell("layer_norm", "train", torch.bfloat16, torch.bfloat16, True, 128, (1 << 17) // 128)
+    sets = sweep.make_sets(cell, "cpu")
+    # a user's call: [batch, heads, tokens, head_dim] with the same rows
+    x = torch.empty(2, 8, 64, 128, dtype=torch.bfloat16)
+    weight = torch.empty(128, dtype=torch.bfloat16)
+    expected = _candidates.signature("layer_norm", True, x, weight, weight, 128).key()
+    assert sweep.cell_signature(cell, sets).key() == expected
+
+    timed = {}
+
+    def fake_time(closures, **kwargs):
+        timed.update(closures)
+        return {name: _candidates.Timing(1.0 + i, 0.0, 3) for i, name in enumerate(closures)}
+
+    monkeypatch.setattr(_candidates, "time_closures", fake_time)
+    prior = {}
+    sweep._time_prior(cell, sets, prior)
+    assert list(prior) == [expected] and set(prior[expected]) == set(timed) >= {"torch", "cudnn"}
+
+
+@pytest.mark.slow  # about 10 s on a 2-core CPU (matplotlib's heatmaps, 24 cells)
+def test_quick_sweep_end_to_end(tmp_path, capsys):
+    assert cli.main(["bench", "--sweep", "--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == sweep.COLUMNS
+    assert {r["provider"] for r in rows} == {"torch", "cudnorm", "torch-again"}  # cudnn/kernel/peers: CUDA only
+    assert {r["cols"] for r in rows} == {"88", "128", "1152"} and {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    for r in rows:
+        assert r["error"] == "" and float(r["gpu_ms"]) > 0 and float(r["host_us"]) > 0 and float(r["ratio_vs_torch"]) > 0
+        assert int(r["rows"]) == int(r["elements"]) // int(r["cols"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert "cudnorm bench --sweep --quick --out" in summary and "## Worst 20 cells" in summary
+    assert not (tmp_path / "prior.json").exists()  # no prior from a CPU
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "sweep_layer_norm_train.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    worst = out[out.rindex("Worst 20 cells"):].strip().splitlines()
+    assert worst[1].startswith("cell") and len(worst) == 2 + 20  # the table is printed last
+
+    assert cli.main(["bench", "--from-csv", str(tmp_path / "sweep.csv")]) == 0
+    again = capsys.readouterr().out
+    assert again[again.rindex("Worst 20 cells"):] == out[out.rindex("Worst 20 cells"):]
+
+
+def test_a_raising_provider_is_recorded_and_the_sweep_goes_on(monkeypatch):
+    real = sweep.provider_calls
+
+    def calls(name, cell, sets):
+        if name == "cudnorm" and cell.cols == 88:
+            raise RuntimeError("boom")
+        return real(name, cell, sets)
+
+    monkeypatch.setattr(sweep, "provider_calls", calls)
+    g = sweep.narrowed(sweep.grid("quick"), widths=[88, 128])
+    rows = [r for c in sweep.cells(g) if c.dtype == torch.float32 for r in
+            sweep.run_cell(c, ["torch", "cudnorm"], "cpu", None)]
+    failed = [r for r in rows if r["error"]]
+    assert failed and all(r["provider"] == "cudnorm" and r["cols"] == 88 and "boom" in r["error"] for r in failed)
+    assert all(r.get("gpu_ms") for r in rows if not r["error"])
+
+
+def test_sweep_flags_need_sweep(capsys):
+    assert cli.main(["bench", "--widths", "88"]) == 2
+    assert "--widths" in capsys.readouterr().err
