@@ -12,6 +12,8 @@ Run::
     cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2, and
                                                 # diffusers'/transformers' own: _bench/real_models):
                                                 # _bench/models.py
+    cudnorm bench --models diffusers-all [--quick]  # every diffusers transformer class, default config,
+                                                    # 1 layer per kind (_bench/real_models/diffusers_all.py)
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
 Without ``--out`` a run writes into a new temporary folder, printed first and last. What a
