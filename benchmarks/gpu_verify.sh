@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
 #         notebooks notebooks-store host api autotune bench-ln bench-rms sweep ada rows real-diffusers real-transformers
+#         diffusers-all
 # sweep: cudnorm bench --sweep (default grid: widths x rows, cudnorm/cudnn/kernel/torch/torch-again, and the prior
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own under OUT/sweep.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
@@ -17,6 +18,9 @@
 #   (default 4), rows appended to OUT/distributed_steps.csv beside dist-steps'.
 # real-diffusers: the four diffusers models patched by default, with blocks=True and under policy="torch" (the
 #   control for cudnorm's own Python), beside PyTorch again and the limit; real-transformers: Llama/Qwen3 widths.
+# diffusers-all: every transformer class diffusers exports, default config, 1 layer per kind (_bench/real_models/
+#   diffusers_all.py), train and sample; diffusers from benchmarks/diffusers_wheels.sh (the image has none).
+#   models.csv is written after every case: a stage cut at its limit still leaves the cases it ran.
 set -uo pipefail
 out=${1:?output directory}; shift
 mkdir -p "$out"
@@ -80,6 +84,8 @@ PY
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
     real-diffusers) timeout 560 python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \
                       --providers torch,cudnorm,cudnorm-blocks,cudnorm-torch,torch-again,limit 2>&1 | tail -40 ;;
+    diffusers-all) timeout 560 python3 -m cudnorm.cli bench --models diffusers-all --out "$out/diffusers-all" \
+                      --providers torch,cudnorm,torch-again 2>&1 | tail -80 ;;
     real-transformers) timeout 400 python3 -m cudnorm.cli bench --models transformers- --out "$out/real-transformers" \
                       --providers torch,cudnorm,cudnorm-torch,torch-again,limit,liger 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

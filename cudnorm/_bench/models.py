@@ -119,6 +119,12 @@ class Settings:
     def k(self, case: Case | RealCase) -> int:
         return self.real_steps if isinstance(case, RealCase) else self.decode_steps if case.decode else self.steps
 
+    def timed_s(self, case: Case | RealCase) -> float:
+        """Seconds of timed steps each provider gets at least: ``min_timed_s``, less where a
+        real model asks for less (``RealModel.timed_s``) and the run is not a quick one."""
+        own = case.spec.timed_s if isinstance(case, RealCase) else None
+        return self.min_timed_s if own is None else min(own, self.min_timed_s)
+
     def host_samples(self, case: Case) -> int:
         return max(1, self.k(case) // 5)
 
@@ -443,7 +449,7 @@ def _interleave(case, live, settings, device, rows) -> None:
                 runner.free(device, collect=True)
         if r == 0 and steps and any(steps.values()):  # cheap steps get more rounds: host noise
             slowest = max(v[0] for v in steps.values() if v) * settings.k(case) / 1e3
-            rounds = max(settings.rounds, min(settings.max_rounds, math.ceil(settings.min_timed_s / slowest)))
+            rounds = max(settings.rounds, min(settings.max_rounds, math.ceil(settings.timed_s(case) / slowest)))
         r += 1
     for p in live:
         rows[p]["step_ms"] = statistics.median(steps[p])
@@ -582,8 +588,8 @@ def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
     out = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        if model in real_models.MODELS:
-            out[MODEL_TITLES[model]] = _real_lines(mine)
+        if real_models.is_real(model):
+            out[MODEL_TITLES.get(model) or real_models.spec(model).title] = _real_lines(mine)
             continue
         by_case = {}
         for r in mine:
@@ -654,7 +660,16 @@ def run_cases(cases: list[Case], providers: list[str], settings: Settings, devic
     for case in progress(cases, len(cases), "cudnorm bench --models"):
         mine = real_models.providers(case, providers) if isinstance(case, RealCase) else [
             p for p in providers if p in MODEL_PROVIDERS[case.model]]
-        rows += run_case(case, mine, settings, device, dtype)
+        every = case.model.startswith(real_models.diffusers_all.PREFIX)
+        if every and case.mode == "train":
+            print(f"{case.model}: {real_models.diffusers_all.patch_note(case.model, case.quick)}")
+        got = run_case(case, mine, settings, device, dtype)
+        torch_row = next(r for r in got if r["provider"] == "torch")
+        if every and torch_row["step_ms"] is None:
+            # a class the generic inputs cannot run, unpatched: skipped, not a cudnorm failure
+            got = [{**torch_row, "status": f"skipped: {torch_row['status']}"}]
+            print(f"skipped {case.id}: {torch_row['status']}")
+        rows += got
         report.write_csv(rows, out / "models.csv", columns=COLUMNS)
     return rows
 

@@ -16,6 +16,8 @@ Run::
     cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2, and
                                                 # diffusers'/transformers' own: _bench/real_models):
                                                 # _bench/models.py
+    cudnorm bench --models diffusers-all [--quick]  # every diffusers transformer class, default config,
+                                                    # 1 layer per kind (_bench/real_models/diffusers_all.py)
 
 (``python -m cudnorm.cli bench ...`` is the same without the console script installed.)
 Without ``--out`` a run writes into a new temporary folder, printed first and last. What a
@@ -248,7 +250,7 @@ def run(args) -> int:
                 raise _args.UsageError(f"--{flag}", "does not apply to --models (its cases fix their shapes and dtype)")
         # on a CPU PyTorch against itself shows how far apart equal kernels time (every provider runs PyTorch's code)
         defaults = models.DEFAULT_PROVIDERS + (("torch-again",) if device == "cpu" else ())
-        every = model_zoo.all_cases(args.quick) + real_models.cases(args.quick)
+        every = model_zoo.all_cases(args.quick) + real_models.cases(args.quick, "diffusers-all" in args.models)
         asked = ",".join(defaults) if args.providers is None else args.providers
         chosen = (_pick(asked, models.PROVIDERS, "providers"), model_zoo.select(every, args.models, device, args.quick))
         if not chosen[1]:
@@ -321,7 +323,13 @@ def _run_ops(args, device: str, out: Path, ops: list[str], names: list[str]) -> 
 
 
 def _runnable(cases: list) -> list:
-    """``cases`` without the real models whose library is missing (one line says which)."""
+    """``cases`` without the real models whose library is missing or that cannot be built
+    (one line per reason says which)."""
+    every = [c for c in cases if c.name.startswith(real_models.diffusers_all.PREFIX)]
+    if every:
+        found, built, skipped = real_models.diffusers_all.census(every[0].quick)
+        print(f"diffusers-all: {found} classes found, {built} built with norms cudnorm.patch swaps, "
+              f"{len(skipped)} skipped")
     missing = {}
     for case in cases:
         why = case.missing() if isinstance(case, real_models.RealCase) else None

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from .. import model_zoo
-from . import diffusers_models, limit, transformers_models
+from . import diffusers_all, diffusers_models, limit, transformers_models
 from .spec import RealModel
 
 MODELS = {m.name: m for m in (*diffusers_models.MODELS, *transformers_models.MODELS)}
@@ -58,7 +58,7 @@ class RealCase(model_zoo.CaseMode):
 
     @property
     def spec(self) -> RealModel:
-        return MODELS[self.model]
+        return spec(self.model)
 
     @property
     def name(self) -> str:
@@ -87,18 +87,41 @@ class RealCase(model_zoo.CaseMode):
         return torch.compile(fn, dynamic=False) if self.compiled else fn
 
     def missing(self) -> str | None:
-        """Why this case cannot run here (its library is not installed), or None."""
-        library = self.spec.library
-        return None if importlib.util.find_spec(library) else f"{library} is not installed"
+        """Why this case cannot run here (its library is not installed; a diffusers-all class
+        that cannot be built or has no norm ``cudnorm.patch`` swaps), or None."""
+        library = MODELS[self.model].library if self.model in MODELS else "diffusers"
+        if not importlib.util.find_spec(library):
+            return f"{library} is not installed"
+        if self.model in MODELS:
+            return None
+        probed = diffusers_all.probe(self.model.removeprefix(diffusers_all.PREFIX), self.quick)
+        if isinstance(probed, str):
+            return probed
+        return diffusers_all.not_quick(self.model) if self.quick else None
 
     def sdpa_note(self, device: str) -> str | None:
         """Why this case turns cuDNN's SDPA backend off, or None when it keeps it."""
         return self.spec.cudnn_sdpa_off if device == "cuda" and self.train else None
 
 
-def cases(quick: bool) -> list[RealCase]:
-    """Every real model in every mode (toy widths when ``quick``)."""
-    return [RealCase(name, mode, quick) for name in MODELS for mode in MODES]
+def spec(model: str) -> RealModel:
+    """The :class:`RealModel` named ``model``: one of :data:`MODELS` or ``diffusers-all:<Class>``."""
+    return MODELS[model] if model in MODELS else diffusers_all.spec(model)
+
+
+def is_real(model: str) -> bool:
+    """Whether ``model`` (a row's) names a real model."""
+    return model in MODELS or model.startswith(diffusers_all.PREFIX)
+
+
+def cases(quick: bool, diffusers_every: bool = False) -> list[RealCase]:
+    """Every real model in every mode (toy widths when ``quick``); with ``diffusers_every``
+    (a filter naming ``diffusers-all``) also every diffusers transformer class
+    (:mod:`.diffusers_all`; imports diffusers), eager modes only."""
+    every = [RealCase(name, mode, quick) for name in MODELS for mode in MODES]
+    if diffusers_every and importlib.util.find_spec("diffusers"):
+        every += [RealCase(name, mode, quick) for name in diffusers_all.names() for mode in ("train", "sample")]
+    return every
 
 
 def providers(case: RealCase, asked: list[str]) -> list[str]:

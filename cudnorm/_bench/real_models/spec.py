@@ -44,6 +44,9 @@ class RealModel:
     liger: bool = False
     # why its training step runs with cuDNN's SDPA backend off on a GPU (None: it keeps it)
     cudnn_sdpa_off: str | None = None
+    # seconds of timed steps each provider gets at least (None: the run's Settings.min_timed_s);
+    # diffusers-all's 70-odd classes take less, to fit one run in minutes
+    timed_s: float | None = None
 
     @property
     def providers(self) -> tuple[str, ...]:
