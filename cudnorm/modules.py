@@ -39,8 +39,6 @@ class LayerNorm(torch.nn.LayerNorm):
         if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ applies the same policy
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         if _policy.torch_serves(input, weight, bias):
-            if _entry.is_compiling():  # the function runs cudnorm's checks in the traced code
-                return layer_norm(input, self.normalized_shape, weight, bias, eps)
             # PyTorch's op, as nn.LayerNorm runs it, minus F.layer_norm's Python wrapper (small
             # models' steps are host-bound). A mistake raises cudnorm's error whichever kernels
             # serve the call: PyTorch's op refuses every mistake cudnorm's checks find but an eps
@@ -66,8 +64,6 @@ class RMSNorm(torch.nn.RMSNorm):
         if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ checks it, same policy
             return rms_norm(input, self.normalized_shape, weight, eps)
         if _policy.torch_serves(input, weight):  # PyTorch's op, checked as in LayerNorm.forward
-            if _entry.is_compiling():
-                return rms_norm(input, self.normalized_shape, weight, eps)
             if eps is None or (type(eps) is float and 0.0 <= eps < math.inf):
                 try:
                     return _norm.torch_rms_norm(input, self.normalized_shape, weight, eps)
