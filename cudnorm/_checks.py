@@ -11,11 +11,57 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _ops
 from ._runtime import SUPPORTED_DTYPES
 
 #: Input dtypes the public ops take: cuDNN's, plus float64, which PyTorch's own ops serve
 #: (cuDNN has no double-precision normalization; cudnorm._policy, rule 0).
 INPUT_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _raise_argument_error(like, kind: str, message: str):
+    raise _ERRORS[kind](message)
+
+
+def _fake_argument_error(like, kind: str, message: str):
+    return torch.empty(0) if like is None else torch.empty_like(like)
+
+
+# An argument error found while torch.compile traces a call, raised when the compiled code runs:
+# the error eager raises, with its message. Raised while tracing it would not be: Dynamo reports a
+# mistake its fake tensors meet as TorchRuntimeError, and under fullgraph=True any exception the
+# traced code raises as Unsupported ("Observed exception", torch 2.13). A side effect, so that
+# dead-code elimination keeps it where the result goes unused.
+_argument_error = _ops.define_op("argument_error", "(Tensor? like, str kind, str message) -> Tensor",
+                                 _raise_argument_error, _fake_argument_error)
+torch.fx.node.has_side_effect(_argument_error)
+
+
+def traced_error(check, input, *args) -> torch.Tensor | None:
+    """Under ``torch.compile``: run the argument check ``check(*args)`` in the traced code (plain
+    Python on shapes and dtypes, which Dynamo traces) before any PyTorch op meets the
+    arguments. ``None`` when the call is valid; otherwise an ``input``-like tensor from an op
+    that raises the check's ``TypeError``/``ValueError`` when the compiled code runs: return it
+    as the call's result."""
+    try:
+        check(*args)
+    except (TypeError, ValueError) as error:
+        like = input.detach() if isinstance(input, torch.Tensor) else None  # no gradient: the op raises
+        return _argument_error(like, type(error).__name__, str(error))
+    return None
+
+
+def dims(shape) -> str:
+    """``shape`` written as its tuple, for an error message. Built from f-strings of ints: a
+    traced call's symbolic sizes (dynamic shapes) are specialised, so the message is a constant
+    the compiled code can carry (Dynamo cannot format a tuple of them)."""
+    text = ""
+    for d in shape:
+        text = f"{text}, {int(d)}" if text else f"{int(d)}"
+    return f"({text},)" if len(shape) == 1 else f"({text})"
 
 
 def _fail(exc_type, op: str, arg: str, message: str):
@@ -46,10 +92,10 @@ def normalized_size(op: str, input: torch.Tensor, normalized_shape) -> tuple[tup
     else:
         _fail(TypeError, op, "normalized_shape", f"must be an int or a sequence of ints, got {normalized_shape!r}")
     if not shape or any(d <= 0 for d in shape):
-        _fail(ValueError, op, "normalized_shape", f"must be non-empty with positive sizes, got {shape}")
+        _fail(ValueError, op, "normalized_shape", f"must be non-empty with positive sizes, got {dims(shape)}")
     if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
         _fail(ValueError, op, "normalized_shape",
-              f"{shape} does not match the trailing dims of input of shape {tuple(input.shape)}")
+              f"{dims(shape)} does not match the trailing dims of input of shape {dims(input.shape)}")
     return shape, math.prod(shape)
 
 
@@ -60,7 +106,7 @@ def check_param(op: str, arg: str, value, input: torch.Tensor, shape: tuple[int,
         return None
     check_tensor(op, arg, value, dtypes=param_dtypes(input.dtype))
     if tuple(value.shape) != shape:
-        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)} but normalized_shape is {shape}")
+        _fail(ValueError, op, arg, f"has shape {dims(value.shape)} but normalized_shape is {dims(shape)}")
     check_same_device(op, arg, value, input)
     return value
 
@@ -80,7 +126,7 @@ def check_width(op: str, arg: str, value, dim: int) -> torch.Tensor:
     ``[B, *, dim]`` (at least 2-D)."""
     check_input(op, value)
     if value.dim() < 2 or value.shape[-1] != dim:
-        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)}; expected [B, *, {dim}] (the module's dim is {dim})")
+        _fail(ValueError, op, arg, f"has shape {dims(value.shape)}; expected [B, *, {dim}] (the module's dim is {dim})")
     return value
 
 
@@ -88,8 +134,8 @@ def check_conditioning(op: str, arg: str, value, input: torch.Tensor, cond_dim: 
     """A conditioning embedding: ``[B, cond_dim]`` with ``input``'s batch size ``B``."""
     check_input(op, value)
     if value.dim() != 2 or value.shape[0] != input.shape[0] or value.shape[1] != cond_dim:
-        _fail(ValueError, op, arg, f"has shape {tuple(value.shape)}; expected [B, cond_dim] = "
-                                   f"[{input.shape[0]}, {cond_dim}] for input of shape {tuple(input.shape)}")
+        _fail(ValueError, op, arg, f"has shape {dims(value.shape)}; expected [B, cond_dim] = "
+                                   f"[{int(input.shape[0])}, {cond_dim}] for input of shape {dims(input.shape)}")
     return value
 
 
@@ -119,7 +165,7 @@ def check_residual(op: str, residual, input: torch.Tensor) -> torch.Tensor:
         return residual  # the common case: three comparisons
     check_tensor(op, "residual", residual, dtypes=INPUT_DTYPES)
     if residual.shape != input.shape:
-        _fail(ValueError, op, "residual", f"has shape {tuple(residual.shape)} but input has shape {tuple(input.shape)}")
+        _fail(ValueError, op, "residual", f"has shape {dims(residual.shape)} but input has shape {dims(input.shape)}")
     if residual.dtype is not input.dtype:
         _fail(TypeError, op, "residual", f"has dtype {residual.dtype} but input has dtype {input.dtype}")
     check_same_device(op, "residual", residual, input)

@@ -221,7 +221,8 @@ def build_directory() -> Path:
 def build_status() -> tuple[bool, str]:
     """``(built, description)`` of the build cache for this process, read from the files alone
     (nothing is loaded, CUDA is not touched): built for these versions and sources (where), built
-    only for others (which: the directories' names), or not built."""
+    only for others (which: the directories' names), not built, or not buildable with this torch
+    (a CPU build)."""
     directory = build_directory()
     v = _versions()
     these = f"torch {v['torch']}, cuDNN {v['cudnn']}, frontend {v['frontend']}"
@@ -231,6 +232,8 @@ def build_status() -> tuple[bool, str]:
     if others:
         return False, (f"not built for {these} and these sources, built only for others in {directory.parent} "
                        f"({', '.join(others)})")
+    if not torch.version.cuda:  # what cudnorm build answers (_toolchain), without probing the rest
+        return False, "cannot be built here: this torch is not a CUDA build (install a CUDA build of torch)"
     return False, f"not built yet (none in {directory.parent})"
 
 

@@ -34,8 +34,8 @@ with no cudnorm op or autograd node in between:
 
 Calls with fp32 weights on half-precision input keep cudnorm's own path at every size on
 CUDA (its forward rounds the weights as cuDNN reads them, and its weight gradients stay
-fp32). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op, as rule 1
-has it: results and cost are PyTorch's (cudnorm's own fp32 path cost up to 4.5x PyTorch's time
+fp32). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op where that op
+finishes the forward and the backward (:func:`_mixed_off_cuda`), as rule 1 has it: results and cost are PyTorch's (cudnorm's own fp32 path cost up to 4.5x PyTorch's time
 on a CPU, its Python autograd node a fixed 15-40 us; docs/performance.md, Decisions), so a
 patched model's LayerNorms on a CPU compute what the unpatched ones do (RMSNorm: ATen's fused
 kernel, :func:`cudnorm._norm.torch_rms_norm`). PyTorch's CPU LayerNorm backward sums the
@@ -98,7 +98,8 @@ NATIVE_CUDNN_MIN_ELEMENTS = 1 << 16
 
 def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether PyTorch's own op should serve this call (rules in the module docstring).
-    ``params``: the call's weight-like tensors (``None`` for absent ones). Runs on every
+    ``params``: the call's weight-like tensors, the scale first (``weight``, AdaLN's ``scale``)
+    and ``None`` for absent ones. Runs on every
     call: attribute reads and one comparison."""
     if not isinstance(input, torch.Tensor):
         return False  # cudnorm's own path raises the argument error
@@ -115,10 +116,14 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
 
 def _mixed_off_cuda(input: torch.Tensor, params) -> bool:
     """Rule 1 for half-precision input with fp32 weights: a plain tensor off CUDA (a CPU one)
-    takes PyTorch's mixed-dtype kernels, which compute in fp32, at PyTorch's cost; where one
-    weight is fp32 and another is not, PyTorch's kernels refuse the call and cudnorm's own
-    path serves it."""
-    return type(input) is torch.Tensor and not input.is_cuda and all(p is None or p.dtype is _F32 for p in params)
+    takes PyTorch's mixed-dtype kernels, which compute in fp32, at PyTorch's cost, where they
+    finish both the forward and the backward. Where they do not, cudnorm's own path serves the
+    call: one weight fp32 and another not (the forward refuses the mix), and an fp32 shift
+    without a scale (``params[0]``: LayerNorm's bias without a weight), whose forward runs but
+    whose backward raises "expected scalar type BFloat16 but found Float" (CPU, torch 2.13;
+    tests/test_mixed_dtypes.py checks this rule against PyTorch's ops)."""
+    return (type(input) is torch.Tensor and not input.is_cuda and params[0] is not None
+            and all(p is None or p.dtype is _F32 for p in params))
 
 
 def prefers_torch(plain_cuda: bool, numel: int) -> bool:

@@ -242,8 +242,8 @@ def _check_modulation(arg: str, value, input: torch.Tensor) -> None:
     _checks.check_tensor(_OP, arg, value, dtypes=dtypes)
     shape = tuple(value.shape)
     if len(shape) < 2 or shape[0] != b or shape[-1] != d or any(n != 1 for n in shape[1:-1]):
-        raise ValueError(f"cudnorm.{_OP}: argument '{arg}' has shape {shape}; expected [B, D] or [B, 1, D] "
-                         f"with B={b}, D={d} from input of shape {tuple(input.shape)}")
+        raise ValueError(f"cudnorm.{_OP}: argument '{arg}' has shape {_checks.dims(shape)}; expected [B, D] or "
+                         f"[B, 1, D] with B={int(b)}, D={int(d)} from input of shape {_checks.dims(input.shape)}")
     _checks.check_same_device(_OP, arg, value, input)
 
 
@@ -266,7 +266,7 @@ def _check_call(input, scale, shift, eps, one_plus_scale) -> float:
         return eps
     _checks.check_input(_OP, input)
     if input.dim() < 2:
-        raise ValueError(f"cudnorm.{_OP}: argument 'input' must be [B, *, D], got shape {tuple(input.shape)}")
+        raise ValueError(f"cudnorm.{_OP}: argument 'input' must be [B, *, D], got shape {_checks.dims(input.shape)}")
     _check_modulation("scale", scale, input)
     _check_modulation("shift", shift, input)
     eps = _checks.check_eps(_OP, eps)
@@ -313,6 +313,10 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 def python_ada_layer_norm(input, scale, shift, eps, one_plus_scale):
     """:func:`ada_layer_norm` in Python: the path without the native launch path, and the one
     the native entry point hands back every call it does not serve itself."""
+    if _entry.is_compiling():  # a mistake raises cudnorm's error when the compiled code runs, as in cudnorm.layer_norm
+        error = _checks.traced_error(_check_call, input, input, scale, shift, eps, one_plus_scale)
+        if error is not None:
+            return error
     eps = _check_call(input, scale, shift, eps, one_plus_scale)
     if input.dtype is _F32 and (scale.dtype is not _F32 or shift.dtype is not _F32):
         scale, shift = scale.float(), shift.float()  # half-precision modulation of fp32 x: promoted

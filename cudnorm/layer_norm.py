@@ -68,18 +68,28 @@ def layer_norm(input: torch.Tensor, normalized_shape: int | Sequence[int], weigh
                 return _entry.layer_norm(input, shape, weight, bias, eps)
             return _entry.add_layer_norm(input, residual, shape, weight, bias, eps)
         except (TypeError, RuntimeError):  # the op's schema refused an argument: cudnorm's error names it
-            _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
-            if residual is not None:
-                _checks.check_residual(_OP, residual, input)
+            _check_call(input, normalized_shape, weight, bias, eps, residual)
             raise
     if _entry.pending and _entry.try_native(input):
         return layer_norm(input, normalized_shape, weight, bias, eps, residual=residual)
     return python_layer_norm(input, normalized_shape, weight, bias, eps, residual)
 
 
+def _check_call(input, normalized_shape, weight, bias, eps, residual) -> tuple[int, float]:
+    """``(N, eps)`` of a valid call; raises cudnorm's error naming a malformed argument."""
+    n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    if residual is not None:
+        _checks.check_residual(_OP, residual, input)
+    return n, eps
+
+
 def python_layer_norm(input, normalized_shape, weight, bias, eps, residual=None):
     """:func:`layer_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
+    if _entry.is_compiling():  # cudnorm's checks first: a mistake raises their error, not Dynamo's
+        error = _checks.traced_error(_check_call, input, input, normalized_shape, weight, bias, eps, residual)
+        if error is not None:
+            return error if residual is None else (error, error)
     if residual is None and type(eps) is float and 0.0 <= eps < math.inf:
         # PyTorch's op where the policy prefers it, before cudnorm's checks (CPU calls cost what
         # PyTorch's do): it refuses every mistake the checks find but an eps, checked here, so
@@ -91,9 +101,8 @@ def python_layer_norm(input, normalized_shape, weight, bias, eps, residual=None)
                                         else normalized_shape, weight, bias, eps)
         except Exception:  # noqa: BLE001 - cudnorm's checks below raise the error that names the argument
             pass
-    n, eps = _checks.norm_call(_OP, input, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    n, eps = _check_call(input, normalized_shape, weight, bias, eps, residual)
     if residual is not None:
-        _checks.check_residual(_OP, residual, input)
         return _fused_add.call(input, residual, normalized_shape, n, weight, bias, eps, False)
     if _policy.torch_serves(input, weight, bias):  # small or compiled calls: PyTorch's own op
         shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape

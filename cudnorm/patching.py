@@ -446,6 +446,8 @@ def patch(model: torch.nn.Module, *, blocks: bool = False) -> PatchReport:
         if patched is not None:
             _swap(module, patched)
     if not report.swapped:  # a model without supported norms, or one patched already
-        _warn.warn(f"cudnorm.patch: swapped no norm in {type(model).__name__} ({len(report.left)} norm-like "
-                   "module(s) left, listed in the returned report)", RuntimeWarning)
+        done = sum(hasattr(type(module), "_cudnorm_formula") for module, _, _ in decided.values())
+        already = f": it is patched already ({done} module(s) run on cudnorm)" if done else ""
+        _warn.warn(f"cudnorm.patch: swapped no norm in {type(model).__name__}{already} ({len(report.left)} "
+                   "norm-like module(s) left, listed in the returned report)", RuntimeWarning)
     return report

@@ -92,6 +92,10 @@ def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -
 def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
     """:func:`rms_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
+    if _entry.is_compiling():  # cudnorm's checks first, as in cudnorm.layer_norm
+        error = _checks.traced_error(_check_call, input, input, normalized_shape, weight, eps, weight_offset, residual)
+        if error is not None:
+            return error if residual is None else (error, error)
     if (residual is None and type(weight_offset) in (float, int) and weight_offset == 0
             and (eps is None or type(eps) is float and 0.0 <= eps < math.inf)):
         # PyTorch's op first where the policy prefers it, as in cudnorm.layer_norm: the checks run

@@ -143,3 +143,26 @@ def test_ada_modules_point_a_diffusers_style_call_to_the_keyword_and_class(build
     with pytest.raises(TypeError) as info:
         build()
     assert keyword in str(info.value) and str(info.value).endswith(f"is {diffusers_class}"), str(info.value)
+
+
+# the functions' mistakes (the modules' build their module inside the compiled region, where
+# Dynamo refuses nn.Parameter's constructor under fullgraph; a compiled module's forward still
+# meets PyTorch's op first: Dynamo's TorchRuntimeError)
+_COMPILED = [(m, fullgraph) for m in MISTAKES if m[0].islower() for fullgraph in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, fullgraph", _COMPILED,
+                         ids=[f"{m}-{'fullgraph' if f else 'graph-breaks'}" for m, f in _COMPILED])
+def test_a_compiled_mistake_raises_the_eager_error(mistake, fullgraph):
+    """Under ``torch.compile`` the same mistake raises the same error: cudnorm's checks run in
+    the traced code before PyTorch's ops meet the arguments (before, Dynamo's fake tensors met
+    them first: ``TorchRuntimeError`` wrapping PyTorch's message), and a mistake is raised when
+    the compiled code runs (under ``fullgraph=True`` Dynamo reports an exception raised while
+    tracing as its own ``Unsupported``)."""
+    call, error, start = MISTAKES[mistake]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: call(x, torch.float32), backend="aot_eager", fullgraph=fullgraph)
+    with cudnorm.config(policy="auto"), pytest.raises(error) as raised:
+        compiled(torch.randn(2, 3, D))
+    assert str(raised.value).startswith(start), str(raised.value)

@@ -209,10 +209,20 @@ def _library(directory):
     (directory / f"{_native.LIBRARY_NAME}.so").write_bytes(b"")  # read by its name only: never loaded
 
 
+def test_status_on_a_cpu_build_of_torch_says_it_cannot_be_built_here(untried, tmp_path, monkeypatch):
+    """Issue 48: on a CPU build of torch ``cudnorm info`` says why there is no build (what
+    ``cudnorm build`` answers), not "not built yet"."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    cudnorm.config(native_dir=str(tmp_path))
+    why = "cannot be built here: this torch is not a CUDA build (install a CUDA build of torch)"
+    assert _native.build_status() == (False, why) and cudnorm.info()["native_build"] == why
+
+
 def test_status_says_whether_a_build_exists_for_these_versions(untried, tmp_path, monkeypatch):
     """Before the first CUDA call (a new process) the state reads the build cache alone:
     built here (where, for which versions), built only for other versions, or not built."""
     monkeypatch.setattr(_native, "build", lambda verbose=False: pytest.fail("status built the library"))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build of torch, which can build it
     cudnorm.config(native_dir=str(tmp_path))
     versions = _native._versions()
     these = f"torch {versions['torch']}, cuDNN {versions['cudnn']}, frontend {versions['frontend']}"

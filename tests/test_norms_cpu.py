@@ -249,3 +249,19 @@ def test_cpu_fallback_weight_gradients_are_fp32_sums():
     xhat = (xd - xd.mean(1, keepdim=True)) * torch.rsqrt(xd.var(1, unbiased=False, keepdim=True) + 1e-5)
     for got, want in ((w.grad, (dyd * xhat).sum(0)), (b.grad, dyd.sum(0))):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_issue_48_compiled_call_raises_the_eager_value_error(fullgraph, dynamic):
+    """Issue 48's call, on Inductor, with static and dynamic shapes (the message's sizes are
+    formatted so that a symbolic size still gives a constant message)."""
+    torch._dynamo.reset()
+    for fn, op in ((lambda x: cudnorm.layer_norm(x, (5,)), "layer_norm"), (lambda x: cudnorm.rms_norm(x, (5,)), "rms_norm"),
+                   (lambda x: cudnorm.ada_layer_norm(x.view(4, 2, 8), torch.zeros(4, 5), torch.zeros(4, 5)),
+                    "ada_layer_norm")):
+        compiled = torch.compile(fn, fullgraph=fullgraph, dynamic=dynamic)
+        arg = "normalized_shape" if op != "ada_layer_norm" else "scale"
+        with pytest.raises(ValueError, match=rf"^cudnorm\.{op}: argument '{arg}' .* input of shape \((4, 16|4, 2, 8)\)"):
+            compiled(torch.randn(4, 16))

@@ -10,11 +10,13 @@ their outputs on a GPU; ``--check`` (run here) refuses outputs of other sources 
 
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,8 +132,8 @@ def _notebook_params(paths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", _notebook_params(NOTEBOOKS))
-def test_notebook_runs(path, monkeypatch):
-    _execute(path, monkeypatch)
+def test_notebook_runs(path, monkeypatch, tmp_path):
+    _execute(path, monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
@@ -142,15 +144,16 @@ def test_notebook_runs_without_the_frontend(path, monkeypatch, tmp_path):
     that needs it says so in one line naming the extra."""
     if importlib.util.find_spec("cudnn") is None:
         pytest.skip("the cuDNN frontend is not installed: test_notebook_runs ran this notebook without it")
-    (tmp_path / "cudnn").mkdir()
-    (tmp_path / "cudnn" / "__init__.py").write_text("raise ImportError('hidden by test_notebooks.py')\n")
-    nb = _execute(path, monkeypatch, first_on_path=tmp_path)
+    hidden = tmp_path / "hidden"
+    (hidden / "cudnn").mkdir(parents=True)
+    (hidden / "cudnn" / "__init__.py").write_text("raise ImportError('hidden by test_notebooks.py')\n")
+    nb = _execute(path, monkeypatch, tmp_path, first_on_path=hidden)
     printed = "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
     said = [line for line in printed.splitlines() if line.startswith("no cuDNN frontend: ")]
     assert said and all(line.endswith('pip install -e ".[frontend]" brings it') for line in said), printed
 
 
-def _execute(path, monkeypatch, first_on_path=None):
+def _execute(path, monkeypatch, tmp_path, first_on_path=None):
     """The notebook at ``path`` run top to bottom against this checkout (``first_on_path``
     before it on the kernel's path); fails naming the cell that stopped."""
     nbformat = _require("nbformat")
@@ -161,6 +164,11 @@ def _execute(path, monkeypatch, first_on_path=None):
                                                                    os.environ.get("PYTHONPATH")])))
     # headless plotting in the kernel and its subprocesses (the notebooks display PNG files)
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the notebooks' temporary folders (cudnorm-bench-*, ...) go with the test's; Inductor keeps
+    # its cache where it was (under the temporary directory by default): warm compiles stay warm
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK_DIR)}})

@@ -32,6 +32,8 @@ def test_rules(auto, monkeypatch):
     # kernels refuse the mix, cudnorm's own path serves it; a tensor subclass keeps cudnorm's path
     assert _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32, None)
     assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), w32, w16)
+    # an fp32 bias without a weight: ATen's CPU backward raises on it (tests/test_mixed_dtypes.py)
+    assert not _policy.torch_serves(torch.empty(2, 4, dtype=BF16), None, w32)
     assert not _policy.torch_serves(torch.nn.Parameter(torch.empty(2, 4, dtype=BF16)), w32)
     assert not _policy.torch_serves([1.0], w16)  # not a tensor: cudnorm's path raises the argument error
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

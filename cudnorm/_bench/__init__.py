@@ -1,8 +1,8 @@
 """The benchmark behind ``cudnorm bench`` (:mod:`cudnorm.cli.bench` parses and prints):
 cudnorm against its peers, checked, timed, tabulated and plotted.
 
-What it does, in order: measures the copy bandwidth (a 2 GiB device-to-device copy; 64 MiB
-on the CPU); on a GPU, unless filtered, captures a small training step in a CUDA graph and
+What it does, in order: measures the copy bandwidth (a 2 GiB device-to-device copy; a 64 MiB
+memory-to-memory copy on the CPU); on a GPU, unless filtered, captures a small training step in a CUDA graph and
 measures host overhead per call; then for every op and shape checks each provider against
 the fp64 reference and times the ones that pass. Results go to ``--out`` (default: a new
 temporary folder, printed): ``bench.csv``, ``bench.png`` (GB/s against N, every provider)

@@ -21,7 +21,8 @@ backward of a saved output (Liger LN and Quack: their backward kernels called di
 WRONG = failed the check against the fp64 reference (error > 2x eager PyTorch's, or the dtype floor)
 and was not timed; ERR/OOM = raised; '-' = not run. %copy = cudnorm GB/s / measured copy GB/s.
 vs best = best other provider's time / cudnorm's time (>1: cudnorm faster). goal: 'ok', or the
-misses: slower than the best peer, or < 90% of copy bandwidth where 1024 <= N <= 16384 (LN/RMS)."""
+misses: slower than the best peer, or < 90% of copy bandwidth where 1024 <= N <= 16384 (LN/RMS);
+none on the CPU, where every provider runs PyTorch's code (the goals are a GPU's)."""
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -63,7 +64,9 @@ def cell(row: dict | None) -> str:
 
 def op_tables(rows: list[dict], providers: list[str]) -> dict[str, list[list[str]]]:
     """``{op: [header, *rows]}``: one line per shape, GB/s per provider, then cudnorm's
-    ms, %copy, speed-up over the best peer, goal and serving path."""
+    ms, %copy, speed-up over the best peer, goal and serving path. A CPU run (every cudnorm
+    row served on CPU tensors: PyTorch's code against PyTorch's) leaves the goal column ``-``."""
+    verdicts = not all("cpu tensor" in r["path"] for r in rows if r["provider"] == "cudnorm" and r["path"])
     tables = {}
     for op in dict.fromkeys(r["op"] for r in rows):
         by_shape = defaultdict(dict)
@@ -78,7 +81,7 @@ def op_tables(rows: list[dict], providers: list[str]) -> dict[str, list[list[str
                 extra = [f"{mine['ms']:.4f}" if mine["ms"] is not None else "",
                          f"{mine['pct_copy']:.0f}%" if mine["pct_copy"] is not None else "",
                          f"{mine['speedup']:.2f}x {mine['best_peer']}" if mine["speedup"] is not None else "",
-                         goal(mine), " ".join(filter(None, (mine["path"], mine["plan"])))]
+                         goal(mine) if verdicts else "-", " ".join(filter(None, (mine["path"], mine["plan"])))]
             lines.append([shape, *(cell(got.get(p)) for p in providers), *extra])
         tables[op] = lines
     return tables

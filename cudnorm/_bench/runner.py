@@ -110,8 +110,8 @@ def make_timer(device: str):
 
 
 def copy_bandwidth(device: str, timer) -> float:
-    """GB/s of a device-to-device copy (2 GiB on a GPU, 64 MiB on the CPU), counting the
-    read and the write, like the kernels' GB/s."""
+    """GB/s of a copy in the device's memory (device-to-device, 2 GiB, on a GPU; memory-to-memory,
+    64 MiB, on the CPU), counting the read and the write, like the kernels' GB/s."""
     nbytes = (2 << 30) if device != "cpu" else (64 << 20)
     src, dst = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
     buffers = [src, dst]

@@ -293,7 +293,8 @@ def _run_ops(args, device: str, out: Path, ops: list[str], names: list[str]) -> 
     out.mkdir(parents=True, exist_ok=True)
     timer, timer_text = runner.make_timer(device)
     copy_gbps = runner.copy_bandwidth(device, timer)
-    print(f"copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, read + write; timer: {timer_text})")
+    kind = "memory-to-memory copy on the CPU" if device == "cpu" else "device-to-device copy"
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s ({kind}, read + write; timer: {timer_text})")
     plain = not (args.quick or args.ops or args.providers or args.shapes)
     sections = _bench.extras(device, out, graphs=args.cuda_graph, host=args.host_overhead, plain=plain,
                              host_passes=args.host_passes)
