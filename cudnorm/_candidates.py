@@ -205,8 +205,9 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
         alive[name] = fn
     if not alive:
         return {}
-    first = {name: min(_elapsed_ms(fn, 1, stream, name in host_bound), _elapsed_ms(fn, 1, stream, name in host_bound))
-             for name, fn in alive.items()}
+    hosts: dict = {}
+    first = {name: min(_elapsed_ms(fn, 1, stream, name in host_bound, hosts),
+                       _elapsed_ms(fn, 1, stream, name in host_bound, hosts)) for name, fn in alive.items()}
     best = min(first.values())
     out = {name: Timing(ms, 0.0, 1) for name, ms in first.items() if ms > CLIFF * best}
     timed = {name: fn for name, fn in alive.items() if name not in out}
@@ -215,9 +216,7 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     samples = {name: [] for name in timed}
     for _ in range(rounds):
         for name, fn in timed.items():
-            samples[name].append(_elapsed_ms(fn, reps[name], stream, name in host_bound))
-    for fn in alive.values():
-        _host_ms.pop(id(fn), None)
+            samples[name].append(_elapsed_ms(fn, reps[name], stream, name in host_bound, hosts))
     for name, values in samples.items():
         mid = statistics.median(values)
         out[name] = Timing(mid, (max(values) - min(values)) / mid if mid > 0 else 0.0, len(values))
@@ -227,15 +226,15 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
 # GPU clock cycles per ms for torch.cuda._sleep (about the H100's and H200's boost clock): the
 # sleep only has to outlast the host's enqueueing, so overshooting costs a little GPU time
 _SLEEP_CYCLES_PER_MS = 2.0e6
-_host_ms: dict = {}  # closure id -> host ms per call seen last (sizes the next round's sleep)
 
 
-def _elapsed_ms(fn, reps: int, stream, host_counts: bool = False) -> float:
+def _elapsed_ms(fn, reps: int, stream, host_counts: bool, hosts: dict) -> float:
     """ms per call of ``fn`` over ``reps`` back-to-back calls: the GPU time between events, with a
     GPU sleep queued first so the host's enqueueing does not show (cuDNN's and PyTorch's ops
     launch from C++ in real calls, at about the same host cost); ``host_counts``: the larger of
-    that and the host's time per call (a kernel launched from Python pays it in real calls)."""
-    host_guess = _host_ms.get(id(fn), 0.2)
+    that and the host's time per call (a kernel launched from Python pays it in real calls).
+    ``hosts``: host ms per call of each closure seen last, which sizes its next sleep."""
+    host_guess = hosts.get(fn, 0.2)
     torch.cuda._sleep(int(_SLEEP_CYCLES_PER_MS * (1.5 * host_guess * reps + 0.02)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
@@ -245,7 +244,7 @@ def _elapsed_ms(fn, reps: int, stream, host_counts: bool = False) -> float:
     host = (time.perf_counter() - began) * 1e3 / reps
     end.record(stream)
     end.synchronize()
-    _host_ms[id(fn)] = host
+    hosts[fn] = host
     gpu = start.elapsed_time(end) / reps
     return max(gpu, host) if host_counts else gpu
 

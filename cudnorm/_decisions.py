@@ -17,20 +17,19 @@ rules left to cudnorm. A signature (:class:`cudnorm._candidates.Signature`) is d
 Where timing is not allowed (the stream is being captured into a CUDA graph) or not wanted
 (``Config.measure=False``), steps 3-4 give the prior's fastest candidate, else PyTorch's op,
 and that answer is not kept: a later eager call still measures. Everything here runs once per
-signature; later calls find the answer in :data:`_decided` (and, on the native path, in C++).
+signature; later calls find the answer in :data:`DECIDED` (and, on the native path, in C++).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from . import _candidates, _dispatch, _plan_store, _runtime, _settings
+from . import _candidates, _dispatch, _lru, _plan_store, _runtime, _settings
 from ._candidates import Signature
 
 # A candidate the prior measured this many times slower than the prior's fastest is not
@@ -38,11 +37,9 @@ from ._candidates import Signature
 PRIOR_CLIFF = 2.0
 PRIORS = Path(__file__).parent / "priors"
 
-_decided: dict[tuple, str] = {}
-_why: dict[tuple, dict] = {}  # the same keys: how each decision was made, for decisions()
-_lock = threading.Lock()
-# called with no arguments when decisions are forgotten (cudnorm._native empties C++'s table)
-listeners: list = []
+# (signature, device index, deterministic) -> (choice, how it was made); evicting or clearing
+# it (cudnorm.clear_cache()) also empties C++'s table (cudnorm._native registers that)
+DECIDED = _lru.LRU("decisions", 4096)
 
 
 def serves(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> str:
@@ -64,10 +61,11 @@ def server_kept(op: str, input: torch.Tensor, cols: int, weight, bias, training:
     """:func:`server`'s answer, and whether it was kept (not a stand-in while timing is not allowed)."""
     sig = _candidates.signature(op, training, input, weight, bias, cols)
     key = (sig, input.get_device(), torch.are_deterministic_algorithms_enabled())
-    choice = _decided.get(key)
-    if choice is None:
-        choice = decide(key, input, weight, bias)
-    return choice, key in _decided
+    known = DECIDED.peek(key)
+    if known is not None:
+        return known[0], True
+    choice = decide(key, input, weight, bias)
+    return choice, key in DECIDED
 
 
 def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) -> str:
@@ -105,9 +103,7 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
 
 
 def _keep(key: tuple, choice: str, why: dict) -> str:
-    with _lock:
-        _decided[key] = choice
-        _why[key] = {**why, "choice": choice}
+    DECIDED.put(key, (choice, why))
     return choice
 
 
@@ -123,23 +119,16 @@ def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float
         return _candidates.time_closures(closures, device=x.device, errors=errors)
 
 
-def forget() -> None:
-    """Drop this process's decisions (``cudnorm.clear_cache()``; the store keeps its own)."""
-    with _lock:
-        _decided.clear()
-        _why.clear()
-    for listener in listeners:
-        listener()
-
-
 def decisions() -> list[dict]:
     """What :func:`cudnorm.serving_decisions` returns: one dict per decided signature."""
-    with _lock:
-        items = list(_why.items())
     rows = []
-    for (sig, device, deterministic), why in items:
+    for key in DECIDED.keys():
+        known = DECIDED.peek(key)
+        if known is None:  # evicted meanwhile
+            continue
+        (sig, device, deterministic), (choice, why) = key, known
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
-                     "serves": why["choice"], "source": why.get("source", ""), "ms": why.get("ms", {}),
+                     "serves": choice, "source": why.get("source", ""), "ms": why.get("ms", {}),
                      "prior_ms": why.get("prior_ms") or {}, "errors": why.get("errors") or {}})
     return rows
 
@@ -183,6 +172,6 @@ def prior_file() -> str:
 def explain(op: str, input: torch.Tensor, weight, training: bool) -> str:
     """Why a decided signature is served as it is (for :func:`cudnorm.serving_path`)."""
     sig = _candidates.signature(op, training, input, weight, weight if op == "layer_norm" else None, input.shape[-1])
-    why = _why.get((sig, input.get_device(), torch.are_deterministic_algorithms_enabled()), {})
+    why = (DECIDED.peek((sig, input.get_device(), torch.are_deterministic_algorithms_enabled())) or ("", {}))[1]
     times = ", ".join(f"{name} {ms:.4g} ms" for name, ms in sorted(why.get("ms", {}).items(), key=lambda kv: kv[1]))
     return f"{why.get('source', 'decided')} for {sig.key()}" + (f": {times}" if times else "")

@@ -37,7 +37,6 @@ def clear_cache() -> None:
     row-count history of the chunking policy, this process's measured decisions), zero the plan
     counters and drop this thread's cached workspaces (the on-disk store is untouched)."""
     _lru.clear_all()
-    _decisions.forget()
     _cache.plans.clear()  # also zeroes its counters
     _runtime.release_workspaces()
 

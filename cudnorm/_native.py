@@ -342,7 +342,7 @@ def activate() -> bool:
         _cache.plans.on_evict(forget)
         _rows.on_reset(forget)
         _recording.listeners.append(_sync)
-        _decisions.listeners.append(forget)
+        _decisions.DECIDED.on_evict(forget)
         _sync()
         return _entry.native
 
