@@ -19,7 +19,9 @@ WIDTHS = (88, 96, 128, 1152, 2240, 4096)
 
 @pytest.fixture(autouse=True)
 def fresh(tmp_path):
-    with cudnorm.config(plan_store_dir=str(tmp_path / "store")):
+    # the suite's default is policy "cudnn" without a store (conftest): these tests are of the
+    # default policy's measured decisions, kept in a store of their own
+    with cudnorm.config(policy="auto", plan_store=True, plan_store_dir=str(tmp_path / "store")):
         cudnorm.clear_cache()
         yield
         cudnorm.clear_cache()
@@ -71,6 +73,8 @@ def test_every_candidate_passes_the_reference_rule(name, op, cols):
     _force(op, x, weight, bias, True, name)
     dy = torch.randn_like(x)
     ours, theirs = _errors(op, x, weight, bias, dy)
+    served = [r["serves"] for r in cudnorm.serving_decisions() if r["signature"] == sig.key()]
+    assert served == [name], (served, name)
     for what, a, t in zip(("y", "dx", "dw"), ours, theirs):
         # PyTorch sums bf16 dW in fp32 and rounds once, as every candidate does: 2x its error, with a floor
         # for the cases where its error is ~0 (an exactly representable result)
