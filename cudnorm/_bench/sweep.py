@@ -330,16 +330,17 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _served(cell: Cell, sets: Sets) -> str:
-    """What the default policy's dispatcher decided for the cell at its first call (``""``: no
-    decision, e.g. off CUDA or where the size rules hand the call to PyTorch's op)."""
+def _decision(cell: Cell, sets: Sets) -> dict:
+    """The default policy's decision for the cell at its first call (a row of
+    :func:`cudnorm.serving_decisions`; ``{}``: none, e.g. off CUDA or where the size rules hand
+    the call to PyTorch's op)."""
     from .. import _decisions  # noqa: PLC0415
 
     x = sets.xs[0]
     if not x.is_cuda or cell.direction not in ("train", "infer"):
-        return ""
+        return {}
     key = cell_signature(cell, sets).key()
-    return next((d["serves"] for d in _decisions.decisions() if d["signature"] == key), "")
+    return next((d for d in _decisions.decisions() if d["signature"] == key), {})
 
 
 def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> list[dict]:
@@ -350,7 +351,7 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
     except Exception as exc:  # noqa: BLE001 - e.g. OOM: every row says so
         runner.free(device, collect=True)
         return [{**base, "provider": n, "error": f"{runner.describe(exc)} (inputs)"} for n in names]
-    rows = []
+    rows, decision = [], {}
     for name in names:
         row = {**base, "provider": name, "error": ""}
         try:
@@ -359,7 +360,8 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
                 calls = provider_calls(name, cell, sets)
                 row["gpu_ms"], row["host_us"] = time_calls(calls, device)
                 if name == "cudnorm":
-                    row["serves"] = _served(cell, sets)
+                    decision = _decision(cell, sets)
+                    row["serves"] = decision.get("serves", "")
         except Unsupported as exc:
             row["error"] = f"unsupported: {exc}"
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the sweep goes on
@@ -368,7 +370,11 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
         calls = None
         rows.append(row)
     if prior is not None and cell.direction in ("train", "infer"):
-        _time_prior(cell, sets, prior)
+        if decision.get("source") == "measured" and decision.get("ms"):
+            # the dispatcher timed this signature's candidates moments ago, as the prior would
+            prior[cell_signature(cell, sets).key()] = dict(decision["ms"])
+        else:
+            _time_prior(cell, sets, prior)
     torch_ms = next((r.get("gpu_ms") for r in rows if r["provider"] == "torch"), None)
     for row in rows:
         if torch_ms and row.get("gpu_ms"):
