@@ -28,7 +28,10 @@ How a case is measured (:func:`run_case`):
    compile modes; decode warm-ups visit every cache length once), then run once on the same
    seeded inputs: ``rel_diff`` (and in training ``grad_rel_diff``, of the first block's
    first Linear weight; of the latent input for the real models, checked in eval mode) is
-   its relative L2 distance from the torch provider's result.
+   its relative L2 distance from the torch provider's result. For the real models also
+   ``fp32_err``, the output's distance from an fp32 copy of the unpatched model on the same
+   inputs, and ``fp32_err_vs_torch``, its ratio to the torch provider's: a cudnorm provider
+   above :data:`FP32_ERROR_RULE` (1.25x) fails its row.
 2. Rounds: in every round each provider runs ``K`` back-to-back steps in turn (so drift of
    clocks or temperature hits all alike), one synchronize at the end: ``step_ms`` is the
    median over rounds of wall time / K. At least 5 rounds, more (up to 40) until every
@@ -49,6 +52,7 @@ noise floor, on every row of the case.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -66,7 +70,10 @@ from .._progress import progress
 # the columns a models.csv has had since issue 32 (how --from-csv tells one), then the newer ones
 BASE_COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
                 "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
-COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit")
+COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch")
+# A patched model's output error against an fp32 copy of the unpatched model may be at most
+# this many times the unpatched model's own error in the same dtype (issue 46's rule for real models)
+FP32_ERROR_RULE = 1.25
 # Asked for by name: cudnorm-cudnn, cudnorm with every call on cuDNN (policy="cudnn"),
 # the evidence for the default policy's choices (cudnorm._policy); cudnorm-python, the same
 # on the Python launch path (what the native one saves); cudnorm-torch, cudnorm's modules with
@@ -169,6 +176,8 @@ class Workload:
     grad_off: Callable = torch.no_grad
     check: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor | None]] | None = None
     note: str | None = None
+    # the output of an fp32 copy of the unpatched model on the check's inputs (real models)
+    fp32_reference: Callable[[torch.Generator], torch.Tensor] | None = None
 
     def step(self, gen: torch.Generator | None = None) -> torch.Tensor:
         """One step on fresh inputs; returns once backward (or the forward) has been enqueued."""
@@ -278,7 +287,16 @@ def real_builder(case: RealCase, device: str, dtype: torch.dtype) -> Callable[[s
                 model.train(training)
             return out.detach().clone(), latent.grad
 
-        return Workload(model, forward, inputs, case.train, grad_off=torch.inference_mode, check=check, note=note)
+        def fp32_reference(gen):
+            model32 = torch.nn.Module.to(copy.deepcopy(base[0]), dtype=torch.float32).eval()
+            (kwargs,) = inputs(gen)
+            kwargs = {k: v.detach().float() if torch.is_tensor(v) and v.is_floating_point() else v
+                      for k, v in kwargs.items()}
+            with torch.inference_mode():
+                return spec.output(model32(**kwargs)).float().clone()
+
+        return Workload(model, forward, inputs, case.train, grad_off=torch.inference_mode, check=check, note=note,
+                        fp32_reference=fp32_reference)
 
     return make
 
@@ -364,7 +382,7 @@ def _recompiles_allowed(enabled: bool):
 
 _INTS = ("batch", "seq", "width")
 _FLOATS = ("step_ms", "host_ms", "speedup", "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib",
-           "compile_s", "again_ratio", "share_of_limit")
+           "compile_s", "again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch")
 
 
 def typed_row(row: dict) -> dict:
@@ -377,28 +395,55 @@ def blank_row(case: Case | RealCase, provider: str) -> dict:
     return {"model": case.model, "case": case.id, "mode": case.mode, "provider": provider, "batch": case.batch,
             "seq": case.seq, "width": case.width, "step_ms": None, "host_ms": None, "speedup": None,
             "host_ratio": None, "norm_ms": None, "rel_diff": None, "grad_rel_diff": None, "max_mem_gib": None,
-            "compile_s": None, "status": "ok", "again_ratio": None, "share_of_limit": None}
+            "compile_s": None, "status": "ok", "again_ratio": None, "share_of_limit": None, "fp32_err": None,
+            "fp32_err_vs_torch": None}
 
 
 def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Workload]:
     """Build, warm up and check every provider; return those that work (failures go in
     their row's status)."""
-    live, reference = {}, None
+    live, reference, outputs = {}, None, {}
     make = _builder(case, device, dtype)
     for p in providers:
         try:
             with model_zoo.provider_settings(p):
-                reference = _prepare_one(case, p, make, settings, device, rows, live, reference)
+                reference = _prepare_one(case, p, make, settings, device, rows, live, reference, outputs)
         except Exception as exc:  # noqa: BLE001 - OOM, missing kernel...: reported, the rest runs
             rows[p]["status"] = runner.describe(exc)
             live.pop(p, None)  # drop a half-built model before the next provider is built
             runner.free(device, collect=True)
+    _fp32_errors(live, outputs, device, rows)
     return live
 
 
-def _prepare_one(case, p, make, settings, device, rows, live, reference):
-    """Build (``make(p)``), warm up and check provider ``p`` into ``live``; returns the torch
-    provider's ``(output, grad)`` once it has run (the reference of the others)."""
+def _fp32_errors(live: dict[str, Workload], outputs: dict, device: str, rows: dict) -> None:
+    """Each provider's output error against an fp32 copy of the unpatched model (real models),
+    and its ratio to the torch provider's: a cudnorm provider over :data:`FP32_ERROR_RULE`
+    gets a failed status (a patched model must be as accurate as the unpatched one)."""
+    w = next((w for w in live.values() if w.fp32_reference is not None), None)
+    if w is None or "torch" not in outputs:
+        return
+    try:
+        want = w.fp32_reference(torch.Generator(device=device).manual_seed(1234))
+    except Exception as exc:  # noqa: BLE001 - e.g. no memory for an fp32 copy: said, not fatal
+        rows["torch"]["status"] = f"{rows['torch']['status']} (no fp32 reference: {runner.describe(exc)})"
+        return
+    for p, out in outputs.items():
+        rows[p]["fp32_err"] = _rel(out, want)
+    base = rows["torch"]["fp32_err"]
+    for p in outputs:
+        if base:
+            rows[p]["fp32_err_vs_torch"] = rows[p]["fp32_err"] / base
+        if (model_zoo.norm_provider(p) == "cudnorm" and rows[p]["fp32_err_vs_torch"] is not None
+                and rows[p]["fp32_err_vs_torch"] > FP32_ERROR_RULE):
+            rows[p]["status"] = (f"failed: output error vs fp32 {rows[p]['fp32_err_vs_torch']:.2f}x the unpatched "
+                                 f"model's (at most {FP32_ERROR_RULE}x)")
+
+
+def _prepare_one(case, p, make, settings, device, rows, live, reference, outputs):
+    """Build (``make(p)``), warm up and check provider ``p`` into ``live`` (its checked output
+    into ``outputs``); returns the torch provider's ``(output, grad)`` once it has run (the
+    reference of the others)."""
     w = make(p)
     if w.note:
         rows[p]["status"] = f"ok ({w.note})"
@@ -412,6 +457,7 @@ def _prepare_one(case, p, make, settings, device, rows, live, reference):
     if case.compiled:
         rows[p]["compile_s"] = time.perf_counter() - start
     out, grad = _check_result(w, case, device)
+    outputs[p] = out
     if p == "torch":
         reference = (out, grad)
     if reference is not None:
@@ -573,14 +619,21 @@ def _real_lines(mine: list[dict]) -> list[list[str]]:
     """A real model's table: a line per (case, provider) with the ratios the issue's targets
     read (speed-up, torch-again's ratio, share of the limit's gain) and the errors."""
     lines = [["case", "provider", "ms/step (vs torch)", "again", "share of limit", "host ms",
-              "rel diff out / grad", "status"]]
+              "rel diff out / grad", "err vs fp32 (x torch's)", "status"]]
     for r in mine:
         share, again = r.get("share_of_limit"), r.get("again_ratio")
         diffs = [v for v in (r["rel_diff"], r["grad_rel_diff"]) if v is not None]
         lines.append([r["case"], r["provider"], _speed_cell(r), "" if again is None else f"{again:.2f}x",
                       "" if share is None else f"{share:.0%}", "" if r["host_ms"] is None else f"{r['host_ms']:.2f}",
-                      " / ".join(f"{v:.1e}" for v in diffs), "" if r["status"] == "ok" else r["status"]])
+                      " / ".join(f"{v:.1e}" for v in diffs), _fp32_cell(r), "" if r["status"] == "ok" else r["status"]])
     return lines
+
+
+def _fp32_cell(row: dict) -> str:
+    err, ratio = row.get("fp32_err"), row.get("fp32_err_vs_torch")
+    if err is None:
+        return ""
+    return f"{err:.1e}" + ("" if ratio is None else f" ({ratio:.2f}x)")
 
 
 def tables(rows: list[dict]) -> dict[str, list[list[str]]]:
