@@ -8,7 +8,7 @@ from . import _native  # noqa: F401 - the native launch path, tried at the first
 # cudnorm.diffusers: diffusers-compatible AdaLN classes (not in __all__: a star import must not
 # shadow the diffusers package)
 from . import _sharding, diffusers
-from ._info import cache_info, clear_cache, info, serving_decisions, serving_path
+from ._info import cache_info, clear_cache, info, serving_decisions, serving_path, share_decisions
 from ._plan_store import clear_plan_store, install_default_store, plan_store_info
 from ._settings import Config, config, get_config
 from ._version import __version__
@@ -49,5 +49,6 @@ __all__ = [
     "rms_norm",
     "serving_decisions",
     "serving_path",
+    "share_decisions",
     "warmup",
 ]

@@ -133,6 +133,28 @@ def decisions() -> list[dict]:
     return rows
 
 
+def share(group=None, src: int = 0) -> int:
+    """What :func:`cudnorm.share_decisions` does: rank ``src``'s decisions of ``group``
+    (``torch.distributed``) replace every other rank's, for the same signatures on each rank's
+    current CUDA device. Returns how many decisions this rank now holds from ``src``."""
+    import torch.distributed as dist  # noqa: PLC0415 - only jobs that call this use it
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("cudnorm.share_decisions: torch.distributed is not initialized; call it in a job after "
+                           "init_process_group, on every rank")
+    mine = [(sig, det, choice, why) for (sig, _device, det), (choice, why) in
+            ((key, DECIDED.peek(key)) for key in DECIDED.keys()) if choice is not None] \
+        if dist.get_rank(group) == src else None
+    payload = [mine]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src) if group is not None else src,
+                               group=group)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    for sig, det, choice, why in payload[0]:
+        DECIDED.put((sig, device, det), (choice, {**why, "source": f"rank {src} (share_decisions)"}))
+    DECIDED.changed()  # C++'s table drops what it kept of this rank's own decisions
+    return len(payload[0])
+
+
 # -- the prior ---------------------------------------------------------------------------------
 
 def gpu_slug(name: str) -> str:

@@ -97,6 +97,17 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     return _path(reason)
 
 
+def share_decisions(group=None, src: int = 0) -> int:
+    """Make every rank serve each decided call signature as rank ``src`` does: a collective
+    (``torch.distributed.broadcast_object_list``) that every rank of ``group`` must call, e.g.
+    once after ``cudnorm.warmup`` or a first step. Ranks on one machine already agree through the
+    plan store (the first decision written wins); ranks on several machines with stores of their
+    own may measure differently, and then compute with different kernels. Returns the number of
+    decisions taken from ``src``. Raises ``RuntimeError`` when ``torch.distributed`` is not
+    initialized."""
+    return _decisions.share(group, src)
+
+
 def serving_decisions() -> list[dict]:
     """The measured decisions of this process (:mod:`cudnorm._decisions`): one dict per call
     signature with ``signature`` (op/phase/dtypes/width/row bucket), ``serves`` (``"cudnn"``,

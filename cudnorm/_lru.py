@@ -99,6 +99,11 @@ class LRU:
         if had:
             self._evicted()
 
+    def changed(self) -> None:
+        """Tell the listeners that entries were replaced (as after an eviction): state derived
+        from the old values must be dropped."""
+        self._evicted()
+
     def reset_counters(self) -> None:
         self.hits = self.misses = self.evictions = 0
 

@@ -155,3 +155,38 @@ def test_cpu_calls_are_not_measured(monkeypatch):
     x, w, b = _input()
     assert _decisions.serves("layer_norm", x, 88, w, b, True) == "cudnn"  # cudnorm's own path decides (CPU: PyTorch)
     torch.testing.assert_close(cudnorm.layer_norm(x, (88,), w, b), torch.nn.functional.layer_norm(x, (88,), w, b))
+
+
+def _share_worker(rank, world, path, port):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        choice = "kernel" if rank == 0 else "torch"
+        _decisions._keep((_sig(), -1, False), choice, {"source": "measured"})
+        count = cudnorm.share_decisions()
+        rows = cudnorm.serving_decisions()
+        with open(f"{path}/{rank}.json", "w") as f:
+            json.dump({"count": count, "serves": [r["serves"] for r in rows],
+                       "sources": [r["source"] for r in rows]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_share_decisions_gives_every_rank_rank_0s(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_share_worker, args=(2, str(tmp_path), port), nprocs=2)
+    seen = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [s["serves"] for s in seen] == [["kernel"], ["kernel"]], seen
+    assert seen[1]["sources"] == ["rank 0 (share_decisions)"] and seen[1]["count"] == 1
+
+
+def test_share_decisions_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="cudnorm.share_decisions: torch.distributed is not initialized"):
+        cudnorm.share_decisions()
