@@ -30,11 +30,13 @@ with no cudnorm op or autograd node in between:
 2. traced by ``torch.compile``: PyTorch's ops, which Inductor compiles with their neighbours;
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements (while the native launch
    path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`): PyTorch's ops;
-4. otherwise cuDNN.
+4. otherwise the measured decision of the call's signature (below): cuDNN, PyTorch's op or
+   cudnorm's own kernel, whichever measured fastest.
 
-Calls with fp32 weights on half-precision input keep cudnorm's own path at every size on
-CUDA (its forward rounds the weights as cuDNN reads them, and its weight gradients stay
-fp32). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op where that op
+Calls with fp32 weights on half-precision input skip rule 3 on CUDA: at every size they take
+the measured decision (cuDNN's path rounds the weights as cuDNN reads them and keeps its weight
+gradients fp32; PyTorch's mixed-dtype LayerNorm and cudnorm's kernel compute with the fp32
+weights). Off CUDA a plain tensor with fp32 weights takes PyTorch's mixed-dtype op where that op
 finishes the forward and the backward (:func:`_mixed_off_cuda`), as rule 1 has it: results and cost are PyTorch's (cudnorm's own fp32 path cost up to 4.5x PyTorch's time
 on a CPU, its Python autograd node a fixed 15-40 us; docs/performance.md, Decisions), so a
 patched model's LayerNorms on a CPU compute what the unpatched ones do (RMSNorm: ATen's fused
