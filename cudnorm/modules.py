@@ -35,8 +35,13 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        weight, bias, eps = self.weight, self.bias, self.eps
-        if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ applies the same policy
+        # the parameters straight from their dict: nn.Module.__getattr__ is a Python call per read,
+        # which a host-bound step pays (tests/test_patch_host_cost.py counts them)
+        params = self._parameters
+        weight, bias, eps = params.get("weight"), params.get("bias"), self.eps
+        # the native path's C++ applies the same policy; a traced call takes the function's checks,
+        # which make a mistake raise the eager error under torch.compile too
+        if _entry.native or (_entry.pending and _entry.try_native(input)) or _entry.is_compiling():
             return layer_norm(input, self.normalized_shape, weight, bias, eps)
         if _policy.torch_serves(input, weight, bias):
             # PyTorch's op, as nn.LayerNorm runs it, minus F.layer_norm's Python wrapper (small
@@ -60,12 +65,14 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        weight, eps = self.weight, self.eps
-        if _entry.native or (_entry.pending and _entry.try_native(input)):  # C++ checks it, same policy
-            return rms_norm(input, self.normalized_shape, weight, eps)
+        weight, eps = self._parameters.get("weight"), self.eps  # as in LayerNorm.forward
+        if _entry.native or (_entry.pending and _entry.try_native(input)) or _entry.is_compiling():
+            return rms_norm(input, self.normalized_shape, weight, eps)  # as in LayerNorm.forward
         if _policy.torch_serves(input, weight):  # PyTorch's op, checked as in LayerNorm.forward
             if eps is None or (type(eps) is float and 0.0 <= eps < math.inf):
-                try:
+                try:  # torch.rms_norm itself where the dtypes match: no Python frame (host-bound steps)
+                    if weight is None or weight.dtype is input.dtype:
+                        return torch.rms_norm(input, self.normalized_shape, weight, eps)
                     return _norm.torch_rms_norm(input, self.normalized_shape, weight, eps)
                 except Exception:
                     pass

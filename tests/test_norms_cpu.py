@@ -265,3 +265,16 @@ def test_issue_48_compiled_call_raises_the_eager_value_error(fullgraph, dynamic)
         arg = "normalized_shape" if op != "ada_layer_norm" else "scale"
         with pytest.raises(ValueError, match=rf"^cudnorm\.{op}: argument '{arg}' .* input of shape \((4, 16|4, 2, 8)\)"):
             compiled(torch.randn(4, 16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("cls, op", [(cudnorm.LayerNorm, "layer_norm"), (cudnorm.RMSNorm, "rms_norm")])
+def test_compiled_module_raises_the_eager_value_error(cls, op, fullgraph):
+    """The modules' mistakes under torch.compile raise what they raise eagerly (issue 48)."""
+    torch._dynamo.reset()
+    module = cls(5)
+    with pytest.raises(ValueError, match=rf"^cudnorm\.{op}: argument 'normalized_shape' .* input of shape \(4, 16\)"):
+        module(torch.randn(4, 16))
+    with pytest.raises(ValueError, match=rf"^cudnorm\.{op}: argument 'normalized_shape' .* input of shape \(4, 16\)"):
+        torch.compile(module, backend="aot_eager", fullgraph=fullgraph)(torch.randn(4, 16))
