@@ -129,7 +129,8 @@ def decisions() -> list[dict]:
         (sig, device, deterministic), (choice, why) = key, known
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
                      "serves": choice, "source": why.get("source", ""), "ms": why.get("ms", {}),
-                     "prior_ms": why.get("prior_ms") or {}, "errors": why.get("errors") or {}})
+                     "spread": why.get("spread", {}), "prior_ms": why.get("prior_ms") or {},
+                     "errors": why.get("errors") or {}})
     return rows
 
 

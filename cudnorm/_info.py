@@ -112,7 +112,8 @@ def serving_decisions() -> list[dict]:
     """The measured decisions of this process (:mod:`cudnorm._decisions`): one dict per call
     signature with ``signature`` (op/phase/dtypes/width/row bucket), ``serves`` (``"cudnn"``,
     ``"torch"`` or ``"kernel"``), ``source`` (``measured``, ``stored``, ``prior``, ...), ``ms``
-    (the measured ms per call of each candidate) and ``prior_ms``."""
+    (the measured ms per call of each candidate), ``spread`` (each timing's relative spread over
+    its rounds), ``prior_ms`` and ``errors`` (what a candidate raised, if one did)."""
     return _decisions.decisions()
 
 

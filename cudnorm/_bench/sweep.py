@@ -72,7 +72,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 # provider -> what it runs; the order is the timing order (PyTorch again last: the noise floor)
 PROVIDERS = ("torch", "cudnorm", "cudnn", "kernel", "liger", "quack", "torch-again")
 COLUMNS = ("op", "direction", "dtype", "weight_dtype", "bias", "cols", "rows", "elements", "provider",
-           "gpu_ms", "host_us", "ratio_vs_torch", "serves", "error")
+           "gpu_ms", "host_us", "ratio_vs_torch", "serves", "decision", "error")
 EPS = 1e-5
 ROUNDS = 3
 MAX_PASSES = 4  # passes over the input sets per round, for cells whose calls take microseconds
@@ -364,6 +364,10 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
                 if name == "cudnorm":
                     decision = _decision(cell, sets)
                     row["serves"] = decision.get("serves", "")
+                    # how it was decided, for a cell whose decision the sweep's own timings contradict
+                    row["decision"] = " ".join(
+                        [decision.get("source", "")] + [f"{n}={ms:.4g}ms(+-{decision.get('spread', {}).get(n, 0):.0%})"
+                                                        for n, ms in sorted(decision.get("ms", {}).items())])
         except Unsupported as exc:
             row["error"] = f"unsupported: {exc}"
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the sweep goes on
