@@ -78,7 +78,7 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
-    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout 480 python3 -m cudnorm.cli bench --sweep \
+    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout 560 python3 -m cudnorm.cli bench --sweep \
                    --providers torch,cudnorm,cudnn,kernel,torch-again --out "$out/sweep" 2>&1 | tail -40 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
