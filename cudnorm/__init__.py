@@ -1,4 +1,4 @@
-"""cudnorm: LayerNorm, RMSNorm and adaptive LayerNorm on NVIDIA cuDNN graphs, for PyTorch.
+"""cudnorm: LayerNorm, RMSNorm and adaptive LayerNorm/RMSNorm on NVIDIA cuDNN graphs, for PyTorch.
 
 On a CUDA tensor the ops run cached cuDNN-frontend graphs; elsewhere (CPU tensors, no cuDNN,
 a configuration cuDNN declines) the same calls run PyTorch's kernels.
@@ -13,9 +13,10 @@ from ._plan_store import clear_plan_store, install_default_store, plan_store_inf
 from ._settings import Config, config, get_config
 from ._version import __version__
 from .ada_layer_norm import ada_layer_norm
+from .ada_rms_norm import ada_rms_norm
 from .layer_norm import layer_norm
-from .modules import (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, FusedAddLayerNorm, FusedAddRMSNorm,
-                      LayerNorm, RMSNorm)
+from .modules import (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, AdaRMSNorm, FusedAddLayerNorm,
+                      FusedAddRMSNorm, LayerNorm, RMSNorm)
 from .patching import PatchReport, patch
 from .rms_norm import rms_norm
 from .warmup import record_specs, warmup
@@ -28,6 +29,7 @@ __all__ = [
     "AdaLayerNorm",
     "AdaLayerNormContinuous",
     "AdaLayerNormZero",
+    "AdaRMSNorm",
     "Config",
     "FusedAddLayerNorm",
     "FusedAddRMSNorm",
@@ -36,6 +38,7 @@ __all__ = [
     "RMSNorm",
     "__version__",
     "ada_layer_norm",
+    "ada_rms_norm",
     "cache_info",
     "clear_cache",
     "clear_plan_store",

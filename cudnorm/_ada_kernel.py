@@ -55,7 +55,8 @@ def _kernel():
     def ada_layer_norm_backward(x_ptr, dy_ptr, scale_ptr, stats_ptr, dx_ptr, partial_ptr,
                                 seq, cols, x_row_stride, scale_row_stride, stats_row_stride,
                                 chunks, batch,
-                                ONE_PLUS_SCALE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                                ONE_PLUS_SCALE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                                RMS: tl.constexpr):
         program = tl.program_id(0)
         sample = program // chunks
         chunk = program % chunks
@@ -75,13 +76,18 @@ def _kernel():
             mask = in_row & live
             x = tl.load(x_ptr + row * x_row_stride + offsets, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(stats_ptr + row, mask=live, other=0.0)
-            rstd = tl.load(stats_ptr + stats_row_stride + row, mask=live, other=0.0)
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy * gain
-            mean_g = tl.sum(g, axis=0) / cols
-            mean_g_xhat = tl.sum(g * xhat, axis=0) / cols
-            dx = (g - mean_g - xhat * mean_g_xhat) * rstd
+            if RMS:  # adaptive RMSNorm: rstd alone, at stats_ptr + row
+                rstd = tl.load(stats_ptr + row, mask=live, other=0.0)
+                xhat = x * rstd
+                dx = (g - xhat * (tl.sum(g * xhat, axis=0) / cols)) * rstd
+            else:
+                mean = tl.load(stats_ptr + row, mask=live, other=0.0)
+                rstd = tl.load(stats_ptr + stats_row_stride + row, mask=live, other=0.0)
+                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+                mean_g = tl.sum(g, axis=0) / cols
+                mean_g_xhat = tl.sum(g * xhat, axis=0) / cols
+                dx = (g - mean_g - xhat * mean_g_xhat) * rstd
             tl.store(dx_ptr + row * cols + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             sum_dy_xhat += dy * xhat
             sum_dy += dy
@@ -119,12 +125,13 @@ def launch_shape(batch: int, seq: int, cols: int, sm_count: int) -> tuple[int, i
 
 
 def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tensor, stats: torch.Tensor,
-             one_plus_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             one_plus_scale: bool, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [B*S, D] x's dtype, sums [2, B, D] fp32)``: ``sums[0]`` is dscale, ``sums[1]`` dshift.
 
     ``dy2``: packed ``[B*S, D]``; ``x2``: ``[B*S, D]`` with unit column stride; ``scale``:
     ``[B, D]`` (any row stride, unit column stride, fp32 or x's dtype: a chunk of a Linear
-    output reads in place); ``stats``: fp32 ``[2, >= B*S]``, mean in row 0, rstd in row 1.
+    output reads in place); ``stats``: fp32 ``[2, >= B*S]``, mean in row 0, rstd in row 1;
+    with ``rms`` (adaptive RMSNorm: ``xhat = x * rstd``, no mean) the contiguous rstd ``[B*S]``.
     """
     rows, cols = x2.shape
     seq = rows // batch
@@ -133,10 +140,11 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
     rows_per_program, chunks, block, warps = launch_shape(batch, seq, cols, sm_count)
     dx = torch.empty((rows, cols), dtype=x2.dtype, device=device)
     partial = torch.empty((2, batch, chunks, cols), dtype=_F32, device=device)
-    args = (x2, dy2, scale, stats, dx, partial, seq, cols, x2.stride(0), scale.stride(0), stats.stride(0),
-            chunks, batch)
+    args = (x2, dy2, scale, stats, dx, partial, seq, cols, x2.stride(0), scale.stride(0),
+            0 if rms else stats.stride(0), chunks, batch)
     grid = (batch * chunks,)
-    meta = {"ONE_PLUS_SCALE": one_plus_scale, "BLOCK": block, "ROWS": rows_per_program, "num_warps": warps}
+    meta = {"ONE_PLUS_SCALE": one_plus_scale, "BLOCK": block, "ROWS": rows_per_program, "RMS": rms,
+            "num_warps": warps}
     if x2.is_cuda and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device's stream
             _kernel()[grid](*args, **meta)
@@ -175,7 +183,8 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
         stats_stride = -(-rows // 4) * 4
         compiled = _kernel().warmup(*dtypes, seq, cols, x2.stride(0), SCALE_STRIDE_ALIGN, stats_stride, chunks, batch,
                                     grid=(1,),
-                                    ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, num_warps=warps)
+                                    ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, RMS=False,
+                                    num_warps=warps)
         compiled.run  # noqa: B018 - loads the module: sets compiled.function
     meta = compiled.metadata
     signature = [kind for kind in compiled.src.signature.values() if kind != "constexpr"]

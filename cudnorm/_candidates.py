@@ -17,6 +17,10 @@ Candidates:
   backwards), which ``torch.nn.functional`` runs;
 * ``kernel``: cudnorm's own Triton kernel (:mod:`cudnorm._norm_kernel`), for the widths and
   row counts where neither of the others reaches the memory bandwidth.
+
+Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's dtype, its bias
+the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
+kernels (:mod:`cudnorm._ada_rms`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _norm_kernel
+from . import _ada_rms, _norm_kernel
 
 _F32 = torch.float32
 _LN_FORWARD = torch.ops.aten.native_layer_norm.default
@@ -46,11 +50,11 @@ class Signature(NamedTuple):
     decision (a model's calls vary their rows with batch and sequence; measuring each count
     would time every new shape)."""
 
-    op: str  # "layer_norm" | "rms_norm"
+    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
-    weight: torch.dtype | None  # None: no weight
-    bias: torch.dtype | None  # None: no bias (always None for RMSNorm)
+    weight: torch.dtype | None  # None: no weight (adaptive RMSNorm: the scale's)
+    bias: torch.dtype | None  # None: no bias (always None for RMSNorm; adaptive RMSNorm: the shift's)
     cols: int
     rows_bucket: int
 
@@ -73,7 +77,7 @@ class Candidate:
 
     ``supports(sig)`` says whether it computes that call at all; ``prepare(sig, x, weight,
     bias, eps)`` returns a closure that runs the call's work once on those tensors (``x``:
-    ``[M, N]`` packed rows; a training call's backward takes ``x`` itself as the incoming
+    ``[M, N]`` packed rows; weight and bias ``[N]``, adaptive RMSNorm's ``[B, N]``; a training call's backward takes ``x`` itself as the incoming
     gradient, which has the right shape and dtype and costs no allocation); ``deterministic``:
     bitwise-reproducible results, the only kind allowed under
     ``torch.use_deterministic_algorithms(True)``."""
@@ -87,13 +91,21 @@ class Candidate:
     python_launch: bool = False
 
 
+# the ops with a per-sample [B, N] weight and bias, which only these candidates serve
+MODULATED = ("ada_rms_norm",)
+
+
 def _torch_supports(sig: Signature) -> bool:
+    if sig.op in MODULATED:  # the fp32 formula takes every dtype
+        return True
     if sig.op == "layer_norm":  # ATen's LayerNorm takes fp32 weights on half-precision input too
         return sig.bias is None or sig.weight is None or sig.bias == sig.weight
     return _RMS_FORWARD is not None and sig.weight in (None, sig.dtype)
 
 
 def _torch_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op in MODULATED:
+        return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_torch_run)
     n = [sig.cols]
     if sig.op == "layer_norm":
         mask = [True, weight is not None, bias is not None]
@@ -114,8 +126,34 @@ def _torch_prepare(sig: Signature, x, weight, bias, eps):
     return run_rms
 
 
+def _ada_rms_torch_run(x3, scale, shift, eps, training):
+    """The formula's forward, and with ``training`` its backward through PyTorch's autograd."""
+    if not training:
+        return _ada_rms.formula(x3, scale, shift, eps, True)
+    with torch.enable_grad():
+        leaves = [t.requires_grad_() for t in (x3, scale, shift) if t is not None]
+        return torch.autograd.grad(_ada_rms.formula(x3, scale, shift, eps, True), leaves, x3)
+
+
+def _ada_rms_kernel_run(x3, scale, shift, eps, training):
+    x2 = x3.view(-1, x3.shape[-1])
+    y, rstd = _ada_rms.forward(x2, scale, shift, eps, True, training)
+    return _ada_rms.backward(x2, x2, scale, rstd, True, None if shift is None else shift.dtype) if training else y
+
+
+def _ada_rms_prepare(sig: Signature, x, scale, shift, eps, run):
+    """A closure running ``run`` on the call's ``[B, S, N]`` tokens (detached copies of the
+    modulation, so the formula's autograd leaves are its own). ``one_plus_scale`` is not in
+    the signature: the gain's add costs the same either way, so both time with it."""
+    x3 = x.view(scale.shape[0], -1, sig.cols)
+    scale, shift = (None if t is None else t.detach().clone() for t in (scale, shift))
+    return lambda: run(x3, scale, shift, eps, sig.training)
+
+
 def _cudnn_supports(sig: Signature) -> bool:
-    return True  # cudnorm's own path serves every call (its ops fall back where no graph does)
+    # cudnorm's own path serves every call (its ops fall back where no graph does); no cuDNN
+    # graph for adaptive RMSNorm yet
+    return sig.op not in MODULATED
 
 
 def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
@@ -138,10 +176,14 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
 
 
 def _kernel_supports(sig: Signature) -> bool:
+    if sig.op in MODULATED:
+        return _ada_rms.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
     return _norm_kernel.available() and _norm_kernel.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
 
 
 def _kernel_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op in MODULATED:
+        return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_kernel_run)
     rms = sig.op == "rms_norm"
     if not sig.training:
         return lambda: _norm_kernel.forward(x, weight, bias, eps, rms, False)

@@ -1,4 +1,4 @@
-"""Measured decisions: which kernel serves each LayerNorm/RMSNorm call signature (rule 4 of
+"""Measured decisions: which kernel serves each LayerNorm/RMSNorm/adaptive RMSNorm call signature (rule 4 of
 :mod:`cudnorm._policy`).
 
 :func:`server` answers ``"torch"``, ``"cudnn"`` or ``"kernel"`` for an eager CUDA call the size
@@ -45,7 +45,8 @@ DECIDED = _lru.LRU("decisions", 4096)
 def serves(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> str:
     """What serves an eager call the size rules of :mod:`cudnorm._policy` left to cudnorm:
     :func:`server`'s measured answer under ``policy="auto"`` for a plain CUDA tensor, else
-    ``"cudnn"`` (cudnorm's own path, as ``policy="cudnn"`` and DTensors have it)."""
+    ``"cudnn"`` (cudnorm's own path, as ``policy="cudnn"`` and DTensors have it; adaptive
+    RMSNorm, with no cuDNN graph, takes cudnorm's kernel for it)."""
     if _settings.current.policy != "auto" or type(input) is not torch.Tensor or not input.is_cuda:
         return "cudnn"
     return server(op, input, cols, weight, bias, training)
@@ -109,11 +110,13 @@ def _keep(key: tuple, choice: str, why: dict) -> str:
 
 def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5,
             errors: dict | None = None) -> dict:
-    """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``);
+    """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``,
+    the parameters to ``[cols]``, an adaptive RMSNorm's modulation to ``[B, cols]``);
     candidates that raised are named in ``errors``."""
     x = _dispatch.cudnn_rows(input.detach().reshape(-1, sig.cols))
-    w = None if weight is None else weight.detach().reshape(sig.cols)
-    b = None if bias is None else bias.detach().reshape(sig.cols)
+    shape = (-1, sig.cols) if sig.op in _candidates.MODULATED else (sig.cols,)  # per-sample: [B, N]
+    w = None if weight is None else weight.detach().reshape(shape)
+    b = None if bias is None else bias.detach().reshape(shape)
     with torch.no_grad():
         closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
         return _candidates.time_closures(closures, device=x.device, errors=errors)

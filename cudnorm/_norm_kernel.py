@@ -105,18 +105,22 @@ def _kernels():
     # row and tile counts are not specialised: their "% 16" or "== 1" variants change nothing.
     # The tile loops are while loops: Triton's interpreter (3.6, with NumPy 2) cannot take a
     # runtime bound in range()
-    @triton.jit(do_not_specialize=["rows", "tiles"])
-    def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, rows, tiles, eps,
+    # MODULATED: weight and bias are per-sample [B, COLS] rows (adaptive RMSNorm's scale and
+    # shift), row r of x taking row r // seq of them, the gain 1 + scale where ONE_PLUS
+    @triton.jit(do_not_specialize=["rows", "tiles", "seq"])
+    def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, rows, tiles, eps, seq,
                      COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
+                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr,
+                     MODULATED: tl.constexpr, ONE_PLUS: tl.constexpr):
         program = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < COLS
-        if HAS_W:
-            w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-        if HAS_B:
-            b = tl.load(b_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if not MODULATED:
+            if HAS_W:
+                w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+            if HAS_B:
+                b = tl.load(b_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         local = tl.arange(0, BLOCK_M)
         offsets = local[:, None] * COLS + cols[None, :]
         tile = program
@@ -132,10 +136,19 @@ def _kernels():
                 xc = tl.where(mask, x - mean[:, None], 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / COLS + eps)
             y = xc * rstd[:, None]
-            if HAS_W:
-                y = y * w[None, :]
-            if HAS_B:
-                y = y + b[None, :]
+            if MODULATED:  # a tile may hold rows of two samples: each row reads its own sample's
+                at = ((first + local) // seq)[:, None] * COLS + cols[None, :]
+                gain = tl.load(w_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                if ONE_PLUS:
+                    gain = gain + 1.0
+                y = y * gain
+                if HAS_B:
+                    y = y + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            else:
+                if HAS_W:
+                    y = y * w[None, :]
+                if HAS_B:
+                    y = y + b[None, :]
             tl.store(y_ptr + first * COLS + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
             if STATS:
                 if not RMS:
@@ -240,12 +253,17 @@ def _launch(kernel, x: torch.Tensor, programs: int, args: tuple, meta: dict) -> 
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool,
-            training: bool, *, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            training: bool, *, config: Config | None = None, seq: int = 0, one_plus: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, stats)`` of LayerNorm (``rms=False``) or RMSNorm of ``x: [M, N]`` (contiguous rows).
 
     ``weight``/``bias``: ``[N]`` of x's dtype or fp32, or ``None``. ``y``: ``[M, N]`` in x's
     dtype. ``stats`` (only when ``training``, else ``None``): fp32, LayerNorm ``[2, M]`` (mean
-    in row 0, rstd in row 1), RMSNorm ``[1, M]`` (rstd). ``config`` overrides :func:`_config`."""
+    in row 0, rstd in row 1), RMSNorm ``[1, M]`` (rstd). ``config`` overrides :func:`_config`.
+
+    ``seq > 0`` modulates per sample (adaptive RMSNorm): ``weight`` (the scale, required) and
+    ``bias`` (the shift, or ``None``) are ``[M // seq, N]``, row ``r`` of x takes their row
+    ``r // seq``, and the gain is ``1 + weight`` (summed in fp32) where ``one_plus``."""
     rows, cols = x.shape
     y = torch.empty_like(x)
     stats = torch.empty((1 if rms else 2, rows), dtype=_F32, device=x.device) if training else None
@@ -255,10 +273,10 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     programs, tiles = _grid(x, config)
     mean, rstd = (stats[0], stats[-1]) if training else (y, y)  # unused pointers when not training
     args = (x, x if weight is None else weight.contiguous(), x if bias is None else bias.contiguous(), y,
-            mean, rstd, rows, tiles, eps)
+            mean, rstd, rows, tiles, eps, max(seq, 1))
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": weight is not None, "HAS_B": bias is not None, "STATS": training,
-            "num_warps": config.num_warps}
+            "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps}
     _launch(_kernels()[0], x, programs, args, meta)
     return y, stats
 

@@ -22,6 +22,7 @@ import torch
 
 from . import _checks, _entry, _norm, _policy
 from .ada_layer_norm import ada_layer_norm
+from .ada_rms_norm import ada_rms_norm
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 
@@ -147,6 +148,29 @@ class AdaLayerNorm(torch.nn.Module):
     def extra_repr(self) -> str:
         """``dim, eps=...`` (shown by ``repr``)."""
         return f"{self.dim}, eps={self.eps}"
+
+
+class AdaRMSNorm(torch.nn.Module):
+    """Adaptive RMSNorm: ``rms_norm(x) * (1 + scale) + shift`` (``one_plus_scale=False``:
+    ``* scale``) with a non-affine RMSNorm. No parameters: scale/shift come from the caller.
+
+    ``forward(x, scale, shift=None)``: ``x [B, *, D]``; scale/shift ``[B, D]`` or ``[B, 1, D]``
+    (scale first, as :func:`cudnorm.ada_rms_norm` takes them).
+    """
+
+    @_options_by_keyword("embedding_dim, ...")
+    def __init__(self, dim: int, *, eps: float = 1e-6, one_plus_scale: bool = True) -> None:
+        super().__init__()
+        self.dim, self.eps, self.one_plus_scale = dim, eps, one_plus_scale
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """``rms_norm(x) * gain + shift``; ``x [B, *, D]``, scale/shift ``[B, D]`` or ``[B, 1, D]``."""
+        _checks.check_width("AdaRMSNorm", "x", x, self.dim)
+        return ada_rms_norm(x, scale, shift, self.eps, one_plus_scale=self.one_plus_scale)
+
+    def extra_repr(self) -> str:
+        """``dim, eps=..., one_plus_scale=...`` (shown by ``repr``)."""
+        return f"{self.dim}, eps={self.eps}, one_plus_scale={self.one_plus_scale}"
 
 
 class AdaLayerNormZero(torch.nn.Module):

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 LAYERS = [
     ("_ada_kernel", "_entry", "_lru", "_norm_kernel", "_ops", "_patch_table", "_progress", "_spec", "_version",
      "_warn", "reference"),  # no package imports
-    ("_settings",),
+    ("_ada_rms", "_settings"),  # _ada_rms: adaptive RMSNorm's formula and kernels
     ("_candidates", "_policy", "_recording", "_runtime"),  # _candidates: the kernels a call may run
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
@@ -28,7 +28,7 @@ LAYERS = [
     ("_call_plans",),  # a call's plan, memoised by its signature
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add
-    ("ada_layer_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
+    ("ada_layer_norm", "ada_rms_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
     ("_info", "_native", "_sharding", "modules", "warmup"),
     ("diffusers",),
     ("_diffusers_blocks",),  # whole diffusers blocks on diffusers' fused modulation
