@@ -37,9 +37,12 @@ class LayerNorm(torch.nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
         # the parameters straight from their dict: nn.Module.__getattr__ is a Python call per read,
-        # which a host-bound step pays (tests/test_patch_host_cost.py counts them)
+        # which a host-bound step pays (tests/test_patch_host_cost.py counts them); a weight that is
+        # no parameter (torch.nn.utils.weight_norm sets a computed one on the instance) is read as usual
         params = self._parameters
-        weight, bias, eps = params.get("weight"), params.get("bias"), self.eps
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        eps = self.eps
         # the native path's C++ applies the same policy; a traced call takes the function's checks,
         # which make a mistake raise the eager error under torch.compile too
         if _entry.native or (_entry.pending and _entry.try_native(input)) or _entry.is_compiling():
@@ -66,7 +69,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input``: ``[*, *normalized_shape]``; returns the same shape and dtype."""
-        weight, eps = self._parameters.get("weight"), self.eps  # as in LayerNorm.forward
+        params = self._parameters  # as in LayerNorm.forward
+        weight, eps = params["weight"] if "weight" in params else self.weight, self.eps
         if _entry.native or (_entry.pending and _entry.try_native(input)) or _entry.is_compiling():
             return rms_norm(input, self.normalized_shape, weight, eps)  # as in LayerNorm.forward
         if _policy.torch_serves(input, weight):  # PyTorch's op, checked as in LayerNorm.forward
