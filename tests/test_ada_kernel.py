@@ -3,10 +3,6 @@ interpreter on a CPU (skipped without Triton), the strategy's plumbing with the 
 and on a GPU its accuracy and a launch count that does not grow with the batch."""
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +12,7 @@ from cudnorm import _ada_kernel
 from cudnorm import _ada_strategies as strategies
 from cudnorm import reference as ref
 from conftest import fake_fused_backward
+import interpreted
 
 ada = importlib.import_module("cudnorm.ada_layer_norm")  # the package attribute is the function
 
@@ -64,12 +61,7 @@ def _check_interpreted_cases():
 def test_interpreted_kernel_matches_fp64():
     """The kernel's arithmetic (masks, partial programs, strided scale, both gain conventions,
     three dtypes) under Triton's interpreter, on a CPU."""
-    pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); import test_ada_kernel as t; t._check_interpreted_cases()"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and "interpreted cases ok" in done.stdout, done.stderr[-3000:]
+    interpreted.run("test_ada_kernel", "_check_interpreted_cases", timeout=300)
 
 
 def test_launch_shape_keeps_programs_per_sample_bounded():

@@ -3,8 +3,6 @@ rule, argument errors, the module, torch.compile, the dispatcher's candidates; t
 under Triton's interpreter (skipped without Triton); on a GPU the public function with each
 candidate forced."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 import cudnorm
 from cudnorm import _ada_rms, _candidates
 from cudnorm import reference as ref
+import interpreted
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 EPS = 1e-6
@@ -223,12 +222,7 @@ def _check_interpreted():
 
 
 def test_interpreted_kernels_meet_the_2x_rule():
-    pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); import test_ada_rms_norm as t; t._check_interpreted()"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and "interpreted cases ok" in done.stdout, done.stderr[-3000:]
+    interpreted.run("test_ada_rms_norm", "_check_interpreted")
 
 
 # ---------------------------------------------------------------- GPU

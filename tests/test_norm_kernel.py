@@ -6,10 +6,6 @@ with ``torch.empty`` / ``torch.empty_like`` filled with NaN, so an element the k
 write (an output, a statistic, a partial row of the weight gradient) shows."""
 
 import contextlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ import torch.nn.functional as F
 
 from cudnorm import _norm_kernel as nk
 from cudnorm import reference as ref
+import interpreted
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 EPS = 1e-5
@@ -137,12 +134,7 @@ def _check_interpreted():
 def test_interpreted_kernels_meet_the_2x_rule():
     """Every case of :data:`_CASES` under Triton's interpreter (about 8 s on 2 cores, most of it
     the child's imports: one child runs them all)."""
-    pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); import test_norm_kernel as t; t._check_interpreted()"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and "interpreted cases ok" in done.stdout, done.stderr[-3000:]
+    interpreted.run("test_norm_kernel", "_check_interpreted")
 
 
 def test_supports_widths_and_dtypes():
