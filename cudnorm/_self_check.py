@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import _settings
+from . import _ada_rms, _info, _settings
 from . import reference as ref
 from ._progress import progress
 
@@ -46,7 +46,8 @@ def _cases(device: str):
 
 
 def _ada_cases(device: str, dtypes=DTYPES):
-    """AdaLN: both conventions, fp32 and activation-dtype scale/shift, a DiT-like shape."""
+    """AdaLN and adaptive RMSNorm: both conventions, fp32 and activation-dtype scale/shift, a
+    DiT-like shape."""
     import cudnorm  # noqa: PLC0415
 
     b, s, d = 4, 250, 1152
@@ -63,6 +64,20 @@ def _ada_cases(device: str, dtypes=DTYPES):
                        lambda x, sc, sh, dit=dit: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, dit),
                        lambda x, sc, sh, dit=dit: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
                        (x, scale, shift), ("y", "dx", "dscale", "dshift"))
+                yield (f"ada_rms_norm ({tag})", dtype,
+                       lambda x, sc, sh, dit=dit: cudnorm.ada_rms_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
+                       lambda x, sc, sh, dit=dit: ref.ada_rms_norm_eager(x, sc, sh, 1e-6, dit),
+                       lambda x, sc, sh, dit=dit: ref.ada_rms_norm(x, sc, sh, 1e-6, dit=dit),
+                       (x, scale, shift), ("y", "dx", "dscale", "dshift"))
+
+
+def _ada_rms_path(inputs) -> str:
+    """What serves :func:`cudnorm.ada_rms_norm` in the check (policy "cudnn": cudnorm's kernel
+    where it can run; it has no cuDNN graph)."""
+    x, scale, shift = inputs
+    if not x.is_cuda:
+        return "torch (cpu tensor)"
+    return "kernel" if _ada_rms.supports(x.shape[-1], x.dtype, scale.dtype, shift.dtype) else "torch (no Triton)"
 
 
 def check(device: str | None = None) -> list[dict]:
@@ -77,7 +92,8 @@ def check(device: str | None = None) -> list[dict]:
             g = torch.Generator(device="cpu").manual_seed(1)
             dy = torch.randn(inputs[0].shape, generator=g).to(device, dtype)
             start = time.perf_counter()
-            path = cudnorm.serving_path(label.split(" ")[0], inputs[0])
+            op = label.split(" ")[0]
+            path = cudnorm.serving_path(op, inputs[0]) if op in _info.OPS else _ada_rms_path(inputs)
             for r in ref.accuracy_report(candidate, baseline, reference, inputs, dy, names, dtype):
                 rows.append({"case": label, "path": path, **r, "seconds": time.perf_counter() - start})
     return rows

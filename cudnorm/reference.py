@@ -50,6 +50,27 @@ def ada_layer_norm_eager(x, scale, shift, eps=1e-6, dit=True):
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps) * ((1 + scale) if dit else scale) + shift
 
 
+def ada_rms_norm(x, scale, shift=None, eps=1e-6, dit=True, dtype=torch.float64):
+    """Adaptive RMSNorm: ``rms_norm(x) * (1 + scale) + shift`` or, with ``dit=False``,
+    ``rms_norm(x) * scale + shift``; ``shift`` may be ``None``. ``x: [B, *, D]``; scale/shift
+    ``[B, D]`` or ``[B, 1, D]`` broadcast over the tokens."""
+    b, d = x.shape[0], x.shape[-1]
+    view = (b,) + (1,) * (x.dim() - 2) + (d,)
+    gain = scale.to(dtype).reshape(view)
+    y = rms_norm(x, eps=eps, dtype=dtype) * (1 + gain if dit else gain)
+    return y if shift is None else y + shift.to(dtype).reshape(view)
+
+
+def ada_rms_norm_eager(x, scale, shift=None, eps=1e-6, dit=True):
+    """Not a reference: adaptive RMSNorm in PyTorch's ops in ``x``'s dtype, as model code writes
+    it: the baseline whose error the 2x rule allows twice of."""
+    b, d = x.shape[0], x.shape[-1]
+    view = (b,) + (1,) * (x.dim() - 2) + (d,)
+    gain = scale.to(x.dtype).reshape(view)
+    y = torch.nn.functional.rms_norm(x, (d,), eps=eps) * (1 + gain if dit else gain)
+    return y if shift is None else y + shift.to(x.dtype).reshape(view)
+
+
 def grads(fn, inputs, grad_out, dtype=torch.float64):
     """Output and gradients of ``fn`` w.r.t. every non-None tensor of ``inputs``, in ``dtype``.
 
