@@ -43,11 +43,11 @@ def _cases(device: str):
                    lambda x, w: F.rms_norm(x, (n,), w.to(x.dtype), 1e-6),
                    lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), ("y", "dx", "dweight"))
     yield from _ada_cases(device)
+    yield from _ada_rms_cases(device)
 
 
 def _ada_cases(device: str, dtypes=DTYPES):
-    """AdaLN and adaptive RMSNorm: both conventions, fp32 and activation-dtype scale/shift, a
-    DiT-like shape."""
+    """AdaLN: both conventions, fp32 and activation-dtype scale/shift, a DiT-like shape."""
     import cudnorm  # noqa: PLC0415
 
     b, s, d = 4, 250, 1152
@@ -64,11 +64,18 @@ def _ada_cases(device: str, dtypes=DTYPES):
                        lambda x, sc, sh, dit=dit: ref.ada_layer_norm_eager(x, sc, sh, 1e-6, dit),
                        lambda x, sc, sh, dit=dit: ref.ada_layer_norm(x, sc, sh, 1e-6, dit=dit),
                        (x, scale, shift), ("y", "dx", "dscale", "dshift"))
-                yield (f"ada_rms_norm ({tag})", dtype,
-                       lambda x, sc, sh, dit=dit: cudnorm.ada_rms_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
-                       lambda x, sc, sh, dit=dit: ref.ada_rms_norm_eager(x, sc, sh, 1e-6, dit),
-                       lambda x, sc, sh, dit=dit: ref.ada_rms_norm(x, sc, sh, 1e-6, dit=dit),
-                       (x, scale, shift), ("y", "dx", "dscale", "dshift"))
+
+
+def _ada_rms_cases(device: str, dtypes=DTYPES):
+    """Adaptive RMSNorm: the cases of :func:`_ada_cases` with the RMSNorm counterpart."""
+    import cudnorm  # noqa: PLC0415
+
+    for label, dtype, _, _, _, inputs, names in _ada_cases(device, dtypes):
+        dit = "1+scale" in label
+        yield (label.replace("ada_layer_norm", "ada_rms_norm"), dtype,
+               lambda x, sc, sh, dit=dit: cudnorm.ada_rms_norm(x, sc, sh, 1e-6, one_plus_scale=dit),
+               lambda x, sc, sh, dit=dit: ref.ada_rms_norm_eager(x, sc, sh, 1e-6, dit),
+               lambda x, sc, sh, dit=dit: ref.ada_rms_norm(x, sc, sh, 1e-6, dit=dit), inputs, names)
 
 
 def _ada_rms_path(inputs) -> str:
