@@ -5,8 +5,8 @@
 # huggingface_hub is pinned below 2 (diffusers 0.42 refuses 2.x at import). About 14 MB.
 #   bash benchmarks/diffusers_wheels.sh
 #   device (carry .whl/diffusers):
-#     pip install --no-index --no-deps --target /tmp/site .whl/diffusers/*.whl &&
-#     PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_verify.sh "$OUT" diffusers-all
+#     pip install --no-index --no-deps --target /tmp/dsite .whl/diffusers/*.whl &&
+#     DIFFUSERS_SITE=/tmp/dsite bash benchmarks/gpu_verify.sh "$OUT" diffusers-all
 set -euo pipefail
 dir=.whl/diffusers
 mkdir -p "$dir"

@@ -21,7 +21,25 @@
 # diffusers-all: every transformer class diffusers exports, default config, 1 layer per kind (_bench/real_models/
 #   diffusers_all.py), train and sample; diffusers from benchmarks/diffusers_wheels.sh (the image has none).
 #   models.csv is written after every case: a stage cut at its limit still leaves the cases it ran.
+#   DIFFUSERS_SITE: a --target folder holding those wheels, put on PYTHONPATH for the diffusers stages alone (its
+#   pins, e.g. huggingface_hub < 2, then shadow nothing the other stages import).
+# lookup: the host cost of the dispatcher's decision lookup on the native path (benchmarks/decision_lookup.py).
+# --spread (first argument): on a machine of several GPUs, each stage on a GPU of its own, at once, into
+#   OUT/<stage>/ (stages of one GPU each: not tests-dist or the dist-steps); its log is OUT/<stage>.log;
+#   a+b runs stages a then b on one GPU (into OUT/a_b/).
 set -uo pipefail
+if [ "${1:-}" = "--spread" ]; then
+  shift; out=${1:?output directory}; shift
+  mkdir -p "$out"; gpu=0
+  for stages in "$@"; do
+    name=${stages//+/_}
+    CUDA_VISIBLE_DEVICES=$gpu bash "$0" "$out/$name" ${stages//+/ } > "$out/$name.log" 2>&1 &
+    gpu=$((gpu + 1))
+  done
+  wait
+  for stages in "$@"; do echo "==== $stages"; tail -n "${SPREAD_TAIL:-30}" "$out/${stages//+/_}.log"; done
+  exit 0
+fi
 out=${1:?output directory}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CUDNORM_PLAN_STORE_DIR="$out/plan-store"
@@ -78,14 +96,21 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
-    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout 560 python3 -m cudnorm.cli bench --sweep \
-                   --providers torch,cudnorm,cudnn,kernel,torch-again --out "$out/sweep" 2>&1 | tail -40 ;;
+    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
+                   --sweep --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/sweep" 2>&1 | tail -40 ;;
+    lookup)      timeout 120 python3 benchmarks/decision_lookup.py --out "$out" 2>&1 | tee "$out/lookup.log" | tail -8 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
-    real-diffusers) timeout 560 python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \
-                      --providers torch,cudnorm,cudnorm-blocks,cudnorm-torch,torch-again,limit 2>&1 | tail -40 ;;
-    diffusers-all) timeout 560 python3 -m cudnorm.cli bench --models diffusers-all --out "$out/diffusers-all" \
-                      --providers torch,cudnorm,torch-again 2>&1 | tail -80 ;;
+    real-diffusers) PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} timeout "${MODELS_LIMIT:-560}" python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \
+                      --providers "${REAL_PROVIDERS:-torch,cudnorm,cudnorm-blocks,cudnorm-torch,torch-again,limit}" 2>&1 | tail -40 ;;
+    diffusers-all)  # resumed while a case kills the process (a CUDA error ends it), within MODELS_LIMIT in all
+      end=$(( $(date +%s) + ${MODELS_LIMIT:-560} ))
+      while :; do
+        PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} timeout $(( end - $(date +%s) )) python3 -m cudnorm.cli \
+          bench --models diffusers-all --resume --out "$out/diffusers-all" --providers torch,cudnorm,torch-again 2>&1 | tail -80
+        [ -f "$out/diffusers-all/running.txt" ] && [ $(( end - $(date +%s) )) -gt 30 ] || break
+        echo "resuming after: $(cat "$out/diffusers-all/running.txt")"
+      done ;;
     real-transformers) timeout 400 python3 -m cudnorm.cli bench --models transformers- --out "$out/real-transformers" \
                       --providers torch,cudnorm,cudnorm-torch,torch-again,limit,liger 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

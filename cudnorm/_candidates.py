@@ -86,8 +86,8 @@ class Candidate:
     deterministic: bool
     supports: Callable[[Signature], bool]
     prepare: Callable[..., Callable[[], object]]
-    # launched from Python in real calls too (its host time is part of what a call costs); the
-    # others launch from C++ at about PyTorch's host cost, so their GPU time alone is compared
+    # launched from Python in real calls too: its host time is added to its GPU time (the
+    # others launch from C++ at about PyTorch's host cost, so their GPU time alone is compared)
     python_launch: bool = False
 
 
@@ -136,9 +136,13 @@ def _ada_rms_torch_run(x3, scale, shift, eps, training):
 
 
 def _ada_rms_kernel_run(x3, scale, shift, eps, training):
-    x2 = x3.view(-1, x3.shape[-1])
-    y, rstd = _ada_rms.forward(x2, scale, shift, eps, True, training)
-    return _ada_rms.backward(x2, x2, scale, rstd, True, None if shift is None else shift.dtype) if training else y
+    """The kernel as a call runs it: a training call through its autograd function and
+    PyTorch's autograd engine (host time that a call launched from Python pays)."""
+    if not training:
+        return _ada_rms.kernel(x3, scale, shift, eps, True)
+    with torch.enable_grad():
+        leaves = [t.requires_grad_() for t in (x3, scale, shift) if t is not None]
+        return torch.autograd.grad(_ada_rms.kernel(x3, scale, shift, eps, True), leaves, x3)
 
 
 def _ada_rms_prepare(sig: Signature, x, scale, shift, eps, run):
@@ -186,11 +190,15 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_kernel_run)
     rms = sig.op == "rms_norm"
     if not sig.training:
-        return lambda: _norm_kernel.forward(x, weight, bias, eps, rms, False)
+        return lambda: _norm_kernel.norm(x, weight, bias, eps, rms)
+    # as a training call runs it: its autograd function, then PyTorch's autograd engine calling
+    # its backward (host time a call launched from Python pays; leaves of its own)
+    xl, wl, bl = (None if t is None else t.detach().requires_grad_() for t in (x, weight, bias))
+    inputs = [t for t in (xl, wl, bl) if t is not None]
 
     def run():
-        _, stats = _norm_kernel.forward(x, weight, bias, eps, rms, True)
-        return _norm_kernel.backward(x, x, weight, stats, rms, sig.bias)
+        with torch.enable_grad():
+            return torch.autograd.grad(_norm_kernel.norm(xl, wl, bl, eps, rms), inputs, x)
     return run
 
 
@@ -220,7 +228,7 @@ class Timing(NamedTuple):
 
 # A first measurement costs at most about this much GPU time per signature (builds and
 # compiles aside: the first call pays those whichever kernel serves).
-BUDGET_MS = 40.0
+BUDGET_MS = 20.0
 ROUNDS = 3
 # A candidate whose first timed call is this many times the best one's is out (a cliff): no
 # rounds are spent on it. Its single time is still reported.
@@ -228,14 +236,18 @@ CLIFF = 3.0
 
 
 def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float = BUDGET_MS,
-                  rounds: int = ROUNDS, device=None, errors: dict | None = None) -> dict[str, Timing]:
+                  rounds: int = ROUNDS, device=None, errors: dict | None = None,
+                  cost: dict | None = None) -> dict[str, Timing]:
     """Time each closure on the current CUDA stream: one untimed call (builds, compiles,
     caches), two timed calls (the faster screens out cliffs), then ``rounds`` interleaved rounds
     of as many calls as fit the budget; events around each round give its time per call.
     Closures that fail on their first call are left out of the result (and named in ``errors``
-    with what they raised)."""
+    with what they raised). ``cost`` gets the wall ms of the untimed first calls (``"first"``:
+    loading each candidate's kernels, which a call pays for its own kernel anyway) and of the
+    timed ones (``"timing"``: what measuring costs)."""
     stream = torch.cuda.current_stream(device)
     host_bound = {name for name in closures if name in CANDIDATES and CANDIDATES[name].python_launch}
+    began = time.perf_counter()
     alive = {}
     for name, fn in closures.items():
         try:
@@ -245,6 +257,10 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
                 errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
         alive[name] = fn
+    stream.synchronize()
+    first_done = time.perf_counter()
+    if cost is not None:
+        cost["first"] = round((first_done - began) * 1e3, 2)
     if not alive:
         return {}
     hosts: dict = {}
@@ -262,6 +278,8 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     for name, values in samples.items():
         mid = statistics.median(values)
         out[name] = Timing(mid, (max(values) - min(values)) / mid if mid > 0 else 0.0, len(values))
+    if cost is not None:
+        cost["timing"] = round((time.perf_counter() - first_done) * 1e3, 2)
     return out
 
 
@@ -273,8 +291,11 @@ _SLEEP_CYCLES_PER_MS = 2.0e6
 def _elapsed_ms(fn, reps: int, stream, host_counts: bool, hosts: dict) -> float:
     """ms per call of ``fn`` over ``reps`` back-to-back calls: the GPU time between events, with a
     GPU sleep queued first so the host's enqueueing does not show (cuDNN's and PyTorch's ops
-    launch from C++ in real calls, at about the same host cost); ``host_counts``: the larger of
-    that and the host's time per call (a kernel launched from Python pays it in real calls).
+    launch from C++ in real calls, at about the same host cost); ``host_counts``: that plus the
+    host's time per call. A kernel launched from Python pays several times a C++ launch's host
+    time; in a step whose host is the bottleneck every microsecond of it counts, in one whose
+    GPU is, none does. The sum makes it serve only where it saves more GPU time than it costs
+    host time (docs/performance.md, Decisions).
     ``hosts``: host ms per call of each closure seen last, which sizes its next sleep."""
     host_guess = hosts.get(fn, 0.2)
     torch.cuda._sleep(int(_SLEEP_CYCLES_PER_MS * (1.5 * host_guess * reps + 0.02)))
@@ -288,7 +309,7 @@ def _elapsed_ms(fn, reps: int, stream, host_counts: bool, hosts: dict) -> float:
     end.synchronize()
     hosts[fn] = host
     gpu = start.elapsed_time(end) / reps
-    return max(gpu, host) if host_counts else gpu
+    return gpu + host if host_counts else gpu
 
 
 # cuDNN (or cudnorm's kernel) replaces PyTorch's op only where it is faster by more than the

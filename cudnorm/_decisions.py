@@ -92,11 +92,12 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
         known = [n for n in names if prior and n in prior]
         return min(known, key=prior.__getitem__) if known else baseline  # a stand-in, not kept
     errors: dict = {}
-    timings = measure(sig, input, weight, bias, names, eps, errors)
+    cost: dict = {}
+    timings = measure(sig, input, weight, bias, names, eps, errors, cost)
     choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
               "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time(),
-              "errors": errors}
+              "errors": errors, "cost_ms": cost}
     kept = _plan_store.save_decision(sig.key(), device, deterministic, record)
     if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
         return _keep(key, kept["choice"], {**kept, "source": "stored (another process decided first)"})
@@ -109,17 +110,22 @@ def _keep(key: tuple, choice: str, why: dict) -> str:
 
 
 def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5,
-            errors: dict | None = None) -> dict:
+            errors: dict | None = None, cost: dict | None = None) -> dict:
     """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``,
     the parameters to ``[cols]``, an adaptive RMSNorm's modulation to ``[B, cols]``);
-    candidates that raised are named in ``errors``."""
+    candidates that raised are named in ``errors``; ``cost`` gets the wall ms the measurement
+    took: ``"prepare"`` (building the candidates' plans and kernels), ``"first"`` (their first,
+    untimed runs) and ``"timing"`` (the runs that time them: what measuring itself costs)."""
     x = _dispatch.cudnn_rows(input.detach().reshape(-1, sig.cols))
     shape = (-1, sig.cols) if sig.op in _candidates.MODULATED else (sig.cols,)  # per-sample: [B, N]
     w = None if weight is None else weight.detach().reshape(shape)
     b = None if bias is None else bias.detach().reshape(shape)
+    cost = {} if cost is None else cost
     with torch.no_grad():
+        began = time.perf_counter()
         closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
-        return _candidates.time_closures(closures, device=x.device, errors=errors)
+        cost["prepare"] = round((time.perf_counter() - began) * 1e3, 2)
+        return _candidates.time_closures(closures, device=x.device, errors=errors, cost=cost)
 
 
 def decisions() -> list[dict]:
@@ -133,7 +139,7 @@ def decisions() -> list[dict]:
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
                      "serves": choice, "source": why.get("source", ""), "ms": why.get("ms", {}),
                      "spread": why.get("spread", {}), "prior_ms": why.get("prior_ms") or {},
-                     "errors": why.get("errors") or {}})
+                     "errors": why.get("errors") or {}, "cost_ms": why.get("cost_ms") or {}})
     return rows
 
 

@@ -89,9 +89,23 @@ def _check_call(input, normalized_shape, weight, eps, weight_offset, residual) -
     return n, eps, weight_offset
 
 
+def _promoted_by_pytorch(input, weight, weight_offset, residual) -> bool:
+    """A weight of a dtype cudnorm's kernels do not take for ``input`` (a half-precision weight
+    on fp32 input, as a model that upcasts its activations for the norm hands over), which
+    PyTorch's ``torch.rms_norm`` takes by type promotion: that op serves such a call, so a
+    patched model computes what it computed before."""
+    return (residual is None and type(weight_offset) in (float, int) and weight_offset == 0
+            and isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and input.is_floating_point() and weight.is_floating_point() and weight.device == input.device
+            and weight.dtype not in _checks.param_dtypes(input.dtype))
+
+
 def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
     """:func:`rms_norm` in Python: the path without the native launch path, and the one the
     native entry point hands back every call it does not serve itself."""
+    if _promoted_by_pytorch(input, weight, weight_offset, residual):
+        return torch.rms_norm(input, (normalized_shape,) if type(normalized_shape) is int else normalized_shape,
+                              weight, eps)
     if _entry.is_compiling():  # cudnorm's checks first, as in cudnorm.layer_norm
         error = _checks.traced_error(_check_call, input, input, normalized_shape, weight, eps, weight_offset, residual)
         if error is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from cudnorm import cli
 from cudnorm._bench import models, real_models
@@ -81,3 +82,23 @@ def test_quick_case_per_family(tmp_path, capsys, name):
         assert r["status"].startswith("ok"), r
         if r["provider"] in ("cudnorm", "torch-again"):
             assert r["rel_diff"] < 1e-5, r
+
+
+def test_exports_that_fail_to_resolve_are_passed_over():
+    import types
+
+    class FakeTransformer2DModel(torch.nn.Module):
+        pass
+
+    class Lazy(types.ModuleType):
+        def __dir__(self):
+            return ["FakeTransformer2DModel", "BrokenTransformerModel", "OnnxPipelineLegacy", "HelperTransformer"]
+
+        def __getattr__(self, name):
+            if name == "FakeTransformer2DModel":
+                return FakeTransformer2DModel
+            if name == "HelperTransformer":
+                return len  # not a module class
+            raise AttributeError(f"module has no attribute {name}")  # as diffusers' lazy import does
+
+    assert diffusers_all.exported_modules(Lazy("fake"), "Transformer") == {"FakeTransformer2DModel": FakeTransformer2DModel}

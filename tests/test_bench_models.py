@@ -71,6 +71,46 @@ def test_filter_selects_cases(tmp_path):
     assert {c.model for c in model_zoo.select(every, "dit", "cpu", quick=True)} == {"dit", "diffusers-dit-xl-2"}
 
 
+def test_resume_keeps_finished_cases_and_names_the_one_the_process_died_in(tmp_path, capsys):
+    args = ["bench", "--models", "dit-64", "--quick", "--out", str(tmp_path), "--providers", "torch,cudnorm"]
+    assert cli.main(args) == 0
+    first = _rows(tmp_path / "models.csv")
+    assert not (tmp_path / models.RUNNING).exists()  # a run that ends leaves no marker
+    # as if the process had died: the last case's rows gone, the marker naming its cudnorm provider
+    died = first[-1]["case"]
+    kept = [r for r in first if r["case"] != died]
+    with open(tmp_path / "models.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, models.COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept)
+    (tmp_path / models.RUNNING).write_text(f"{died}\tcudnorm\ttimed steps\n")
+    capsys.readouterr()
+    assert cli.main([*args, "--resume"]) == 1  # the crash is cudnorm's: a failed row
+    again = _rows(tmp_path / "models.csv")
+    assert [r for r in again if r["case"] != died] == kept  # finished cases are not run again
+    [crash] = [r for r in again if r["case"] == died]
+    assert crash["provider"] == "cudnorm" and crash["status"].startswith("failed: the process died in provider cudnorm")
+    assert "cudnorm bench --models dit-64 --quick --providers torch,cudnorm" in (tmp_path / "models.md").read_text()
+    # a marker naming a case that has rows is stale: the rows stand
+    (tmp_path / models.RUNNING).write_text(f"{died}\ttorch\tbuild and first steps\n")
+    assert [r["status"].split(":")[0] for r in models.resumed(tmp_path) if r["case"] == died] == ["failed"]
+    # the unpatched model dying is the model's trouble, not cudnorm's: skipped
+    with open(tmp_path / "models.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, models.COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept)
+    (tmp_path / models.RUNNING).write_text(f"{died}\ttorch\tbuild and first steps\n")
+    [crash] = [r for r in models.resumed(tmp_path) if r["case"] == died]
+    assert crash["status"].startswith("skipped: the process died in provider torch's build and first steps")
+    (tmp_path / "models.csv").unlink()
+    assert models.resumed(tmp_path) == []
+
+
+def test_resume_goes_with_models(capsys):
+    assert cli.main(["bench", "--quick", "--resume"]) == 2
+    assert "--resume: goes with --models" in capsys.readouterr().err
+
+
 @needs_native_option
 def test_cudnorm_python_provider_runs(tmp_path):
     assert cli.main(["bench", "--models", "flux-64-b1-s24:train", "--quick", "--out", str(tmp_path),

@@ -72,7 +72,7 @@ def test_quick_sweep_end_to_end(tmp_path, capsys):
     with open(tmp_path / "sweep.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == sweep.COLUMNS
-    assert {r["provider"] for r in rows} == {"torch", "cudnorm", "torch-again"}  # cudnn/kernel/peers: CUDA only
+    assert {r["provider"] for r in rows} == {"torch", "cudnorm", "copy", "torch-again"}  # cudnn/kernel/peers: CUDA only
     assert {r["cols"] for r in rows} == {"88", "128", "1152"} and {r["dtype"] for r in rows} == {"bf16", "fp32"}
     for r in rows:
         assert r["error"] == "" and float(r["gpu_ms"]) > 0 and float(r["host_us"]) > 0 and float(r["ratio_vs_torch"]) > 0
@@ -111,3 +111,25 @@ def test_a_raising_provider_is_recorded_and_the_sweep_goes_on(monkeypatch):
 def test_sweep_flags_need_sweep(capsys):
     assert cli.main(["bench", "--widths", "88"]) == 2
     assert "--widths" in capsys.readouterr().err
+
+
+def _row(provider, ms, cols=128, elements=1 << 25, direction="train", **extra):
+    return {"op": "layer_norm", "direction": direction, "dtype": "bf16", "weight_dtype": "bf16", "bias": "True",
+            "cols": cols, "rows": elements // cols, "elements": elements, "provider": provider, "gpu_ms": ms, **extra}
+
+
+def test_copy_fractions_take_narrow_large_cells_only():
+    rows = [_row("copy", 1.0), _row("cudnorm", 1.25), _row("torch", 4.0),
+            _row("copy", 1.0, cols=256), _row("cudnorm", 2.0, cols=256), _row("torch", 4.0, cols=256),
+            _row("copy", 1.0, cols=512), _row("cudnorm", 10.0, cols=512),  # too wide: left out
+            _row("copy", 1.0, elements=1 << 21), _row("cudnorm", 10.0, elements=1 << 21)]  # too few elements
+    [header, line] = sweep.copy_fractions(rows)
+    assert header[1:] == ["count", "cudnorm median / worst", "torch median / worst"]
+    assert line == ["layer_norm train bf16/w=bf16/b=True", "2", "65% / 50%", "25% / 25%"]
+
+
+def test_measure_costs_summarise_the_dispatchers_first_calls():
+    rows = [_row("cudnorm", 1.0, measure_ms=ms) for ms in (4.0, 30.0, 8.0, None)] + [_row("torch", 1.0, measure_ms=99.0)]
+    assert sweep.measure_costs(rows) == [["measured signatures", "median ms", "p90 ms", "worst ms"],
+                                         ["3", "8.0", "8.0", "30.0"]]
+    assert sweep.measure_costs([_row("cudnorm", 1.0)]) == [["measured signatures"]]

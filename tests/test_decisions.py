@@ -91,7 +91,7 @@ def _input(rows=4096, cols=88):
 def test_measures_once_then_stores(store, monkeypatch):
     calls = []
 
-    def fake_measure(sig, input, weight, bias, names, eps=1e-5, errors=None):
+    def fake_measure(sig, input, weight, bias, names, eps=1e-5, errors=None, cost=None):
         calls.append(sorted(names))
         return {"torch": Timing(1.0, 0.01, 3), "cudnn": Timing(9.0, 0.0, 1), "kernel": Timing(0.5, 0.01, 3)}
 
@@ -113,7 +113,7 @@ def test_measures_once_then_stores(store, monkeypatch):
 
 def test_prior_skips_known_cliffs(store, monkeypatch):
     measured = []
-    monkeypatch.setattr(_decisions, "measure", lambda sig, x, w, b, names, eps=1e-5, errors=None: measured.append(names) or
+    monkeypatch.setattr(_decisions, "measure", lambda sig, x, w, b, names, eps=1e-5, errors=None, cost=None: measured.append(names) or
                         {n: Timing(1.0 if n == "torch" else 0.5, 0.0, 3) for n in names})
     monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {"torch": 1.0, "cudnn": 12.0})
     monkeypatch.setitem(_candidates.CANDIDATES, "kernel", _candidates.Candidate(

@@ -90,6 +90,7 @@ def test_first_call_measures_and_later_calls_reuse(tmp_path):
     assert row["source"] in ("measured", "prior") and row["serves"] in ("torch", "cudnn", "kernel")
     if row["source"] == "measured":
         assert set(row["ms"]) >= {"torch"}, row
+        assert set(row["cost_ms"]) == {"prepare", "first", "timing"} and row["cost_ms"]["timing"] > 0, row
     before = cudnorm.cache_info().caches.get("native", {})
     for _ in range(3):
         cudnorm.layer_norm(x, (96,), weight, bias).sum().backward()
@@ -111,11 +112,11 @@ def test_decision_is_stored_for_the_next_process(tmp_path):
 
 
 def test_nothing_is_timed_during_capture(monkeypatch):
-    monkeypatch.setattr(_decisions, "measure", lambda *a, **k: pytest.fail("timed during capture"))
     x = torch.randn(1 << 14, 104, device="cuda", dtype=BF16)
     w = torch.ones(104, device="cuda", dtype=BF16)
-    static_y = cudnorm.rms_norm(x, (104,), w)  # warm-up outside: may decide from the prior only (measure is patched)
-    cudnorm.clear_cache()
+    static_y = cudnorm.rms_norm(x, (104,), w)  # warm-up outside the capture (it may measure)
+    cudnorm.clear_cache()  # its decision forgotten: the captured call has to decide again
+    monkeypatch.setattr(_decisions, "measure", lambda *a, **k: pytest.fail("timed during capture"))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

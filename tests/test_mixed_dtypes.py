@@ -34,8 +34,9 @@ _CUDNORM_NODES = ("_LayerNormFunctionBackward", "_RMSNormFunctionBackward", "_Ad
 
 
 def _weight_dtypes(x_dtype):
-    """A weight may be absent, of x's dtype or fp32; with fp32 x also bf16 (which layer_norm and
-    rms_norm refuse, naming the argument, and ada_layer_norm promotes)."""
+    """A weight may be absent, of x's dtype or fp32; with fp32 x also bf16 (which layer_norm
+    refuses, naming the argument, as PyTorch's op fails on it; rms_norm and ada_layer_norm
+    promote, rms_norm through PyTorch's op)."""
     return (None, x_dtype, F32) if x_dtype is not F32 else (None, F32, BF16)
 
 
@@ -122,10 +123,16 @@ def _torch_finishes(op, x_dtype, weight_dtypes, device):
     return True
 
 
+def _promoted(op, x_dtype, weight_dtypes):
+    """A weight of a dtype cudnorm's kernels do not take, which PyTorch's RMSNorm promotes (a
+    patched model that upcasts its activations for the norm must compute what it did)."""
+    return op == "rms_norm" and any(d not in (None, x_dtype, F32) for d in weight_dtypes)
+
+
 def _refused(op, x_dtype, weight_dtypes):
-    """The argument cudnorm's layer_norm/rms_norm refuse (documented: a weight is fp32 or x's
-    dtype), or None."""
-    if op == "ada_layer_norm":
+    """The argument cudnorm's layer_norm refuses (documented: a weight is fp32 or x's dtype;
+    PyTorch's op fails too), or None."""
+    if op != "layer_norm":
         return None
     return next((name for name, d in zip(_NAMES[op], weight_dtypes) if d not in (None, x_dtype, F32)), None)
 
@@ -145,8 +152,10 @@ def _check(op, x_dtype, weight_dtypes, device, grads, policy):
     finishes = _torch_finishes(op, x_dtype, weight_dtypes, device)
     node = type(y.grad_fn).__name__ if y.grad_fn is not None else None
     if node is not None and device == "cpu" and op != "ada_layer_norm":
-        # PyTorch's op exactly where it finishes (under "auto" and "torch"); "cudnn" keeps cudnorm's
-        assert (node in _CUDNORM_NODES) == (policy == "cudnn" or not finishes), node
+        # PyTorch's op exactly where it finishes (under "auto" and "torch"); "cudnn" keeps cudnorm's,
+        # but for a weight only PyTorch's op takes
+        promoted = _promoted(op, x_dtype, weight_dtypes)
+        assert (node in _CUDNORM_NODES) == (not promoted and (policy == "cudnn" or not finishes)), node
     leaves = _detached(x, weights)
     doubles = [t if t is None else t.double().requires_grad_(t.requires_grad) for t in leaves]
     want_y, want = _run(_ref_op(op), doubles[0], doubles[1:], dy.double())
@@ -202,3 +211,24 @@ def test_fused_residual_add_with_mixed_dtypes(x_dtype, rms):
         assert all(g.dtype is t.dtype for g, t in zip(grads, tensors))
         # one rounding of the residual sum and one of y: a few units of x's dtype
         assert ref.rel_error(y, want) <= 2 * ref.ERROR_FLOOR[x_dtype], dtypes
+
+
+def test_a_patched_rmsnorm_with_a_half_weight_on_fp32_input_computes_as_before():
+    """As diffusers' Flux3 does (activations upcast for the norm, the module's weight bf16):
+    the patched model runs, and computes what the unpatched one did."""
+    norm = torch.nn.RMSNorm(N, eps=EPS).to(BF16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(N))
+    model = torch.nn.Sequential(norm)
+    x = torch.randn(3, 7, N, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.rms_norm's own: it cannot fuse the mixed dtypes
+        want = model(x)
+        (dx_want,) = torch.autograd.grad(want.sum(), x)
+        report = cudnorm.patch(model)
+        assert "swapped 1 norm(s)" in str(report) and type(model[0]) is not torch.nn.RMSNorm
+        got = model(x)
+        (dx_got,) = torch.autograd.grad(got.sum(), x)
+    assert got.dtype is want.dtype is F32
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dx_got, dx_want)

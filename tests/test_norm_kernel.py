@@ -62,7 +62,11 @@ def _check(rows, cols, dtype, wdtype, bdtype, rms, device="cpu", config=None):
     with _poisoned_allocations():
         y, stats = nk.forward(x, w, b, EPS, rms, training=True, config=config)
         y_eval, none = nk.forward(x, w, b, EPS, rms, training=False, config=config)
-    assert none is None and torch.equal(y, y_eval), case
+    # the statistics-storing variant is compiled apart: a multiply-add may round differently
+    # (seen on an H100 at 4096x2240 and 190000x88 bf16), by at most one step of the dtype
+    assert none is None, case
+    step = torch.finfo(dtype).eps
+    assert ((y.float() - y_eval.float()).abs() <= step * y.float().abs() + step * 1e-3).all(), case
     xd = x.double()
     mean = torch.zeros_like(xd[:, 0]) if rms else xd.mean(1)
     rstd = ((xd - mean[:, None]).square().mean(1) + EPS).rsqrt()

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import torch
-from diffusers.models import normalization as dn
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+dn = pytest.importorskip("diffusers.models.normalization")
+GemmaRMSNorm = pytest.importorskip("transformers.models.gemma.modeling_gemma").GemmaRMSNorm
 
 import cudnorm
 

@@ -230,16 +230,21 @@ def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
 
 
 @gpu
-def test_large_and_mixed_dtype_cuda_calls_run_on_cudnn(auto, fresh_cache):
+def test_large_calls_take_their_measured_path_and_mixed_dtype_calls_cudnn(auto, fresh_cache):
     n = _policy.CUDNN_MIN_ELEMENTS // 4096
     x = torch.randn(n, 4096, device="cuda", dtype=BF16)
     w = torch.ones(4096, device="cuda", dtype=BF16)
-    assert cudnorm.serving_path("rms_norm", x) == "cudnn"
+    # at or above the size threshold the dispatcher measures the signature (cuDNN's plan is one
+    # of the candidates it builds and times) and names what it measured
+    path = cudnorm.serving_path("rms_norm", x)
+    assert path == "cudnn" or (path.split(" (")[0] in ("torch", "kernel") and "measured" in path), path
+    builds = cudnorm.cache_info().builds
+    assert builds >= 1
     with torch.no_grad():
         cudnorm.rms_norm(x, (4096,), w, 1e-6)
-        assert cudnorm.cache_info().builds == 1
+        assert cudnorm.cache_info().builds == builds  # decided: no new plan
         cudnorm.rms_norm(x[:1024], (4096,), w.float(), 1e-6)  # fp32 weight: cudnorm's own path at any size
-    assert cudnorm.cache_info().builds == 2
+    assert cudnorm.cache_info().builds == builds + 1
 
 
 @gpu

@@ -204,7 +204,7 @@ def test_shard_of_the_normalised_dim_is_gathered_first(meshes, case):
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_shards_run_cudnns_graphs(meshes, sequence_shards, case, placement):
     """The same calls with each simulated rank's shard on the GPU: the sharding rules hand
-    every shard to cuDNN's graphs (recorded specs; every row count gets its exact graph, as
+    every shard to cuDNN's graphs (AdaLN's backward of several samples: the fused kernel) (recorded specs; every row count gets its exact graph, as
     the 7-row shards would otherwise go to PyTorch's kernels), and the gathered outputs and
     gradients equal PyTorch's ops on whole CPU tensors."""
     placements = PLACEMENTS.get(placement, [Shard(2)])
@@ -213,7 +213,11 @@ def test_cuda_shards_run_cudnns_graphs(meshes, sequence_shards, case, placement)
     with cudnorm.record_specs() as recording:
         ours = _run(case, meshes["cuda"], placements, exact_rows=1_000_000, exact_after=1)
     assert ours["calls"] == CASES[case][2], ours["calls"]
-    assert {spec.phase for spec in recording.specs} == {"train", "bwd"}, recording.specs
+    phases = {spec.phase for spec in recording.specs}
+    if case == "ada_layer_norm":  # a shard of more than one sample takes the fused kernel's backward, no graph
+        assert "train" in phases and phases <= {"train", "bwd"}, recording.specs
+    else:
+        assert phases == {"train", "bwd"}, recording.specs
     # a 7-token sequence over 4 ranks leaves the last rank one token per sample, an AdaLN shape
     # cuDNN 9.19 declines: PyTorch's kernels serve that shard (with a warning), the others cuDNN
     may_decline = 1 if case == "ada_layer_norm" and placement == "Shard(1)" else 0

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import math
 import statistics
 import time
@@ -444,6 +445,7 @@ def _prepare_one(case, p, make, settings, device, rows, live, reference, outputs
     """Build (``make(p)``), warm up and check provider ``p`` into ``live`` (its checked output
     into ``outputs``); returns the torch provider's ``(output, grad)`` once it has run (the
     reference of the others)."""
+    _mark(case, p, "build and first steps")
     w = make(p)
     if w.note:
         rows[p]["status"] = f"ok ({w.note})"
@@ -483,6 +485,7 @@ def _interleave(case, live, settings, device, rows) -> None:
                 if device == "cuda":
                     _sync(device)
                     torch.cuda.reset_peak_memory_stats()
+                _mark(case, p, "timed steps")
                 with model_zoo.provider_settings(p):
                     steps[p].append(_timed_steps(live[p], settings.k(case), device))
                     hosts[p] += [_host_step(live[p], device) for _ in range(settings.host_samples(case))]
@@ -705,11 +708,52 @@ def usable_providers(names: list[str], device: str) -> tuple[list[str], list[str
     return [n for n in names if why[n] is None], [f"{n} {why[n] or 'available'}" for n in names]
 
 
+# Where a run says what it is doing (case, provider, phase), so that a run resumed after the
+# process died (a CUDA error such as an illegal memory access cannot be recovered from in the
+# process) knows what killed it
+RUNNING = "running.txt"
+_marker: Path | None = None
+
+
+def _mark(case, provider: str, phase: str) -> None:
+    if _marker is not None:
+        _marker.write_text(f"{case.id}\t{provider}\t{phase}\n")
+
+
+def resumed(out: Path) -> list[dict]:
+    """The rows of an earlier run into ``out`` (``models.csv``), plus one for the case it died
+    in (``running.txt``): skipped where the unpatched model was running, a failure of cudnorm's
+    where a patched one was."""
+    path = out / "models.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        rows = [typed_row(r) for r in csv.DictReader(f)]
+    marker = out / RUNNING
+    if marker.exists():
+        case_id, provider, phase = (marker.read_text().strip().split("\t") + ["", "", ""])[:3]
+        if case_id and not any(r["case"] == case_id for r in rows):
+            model, mode = case_id.rsplit(":", 1)
+            verdict = "failed" if model_zoo.norm_provider(provider) == "cudnorm" else "skipped"
+            rows.append({**{c: None for c in COLUMNS}, "model": model, "case": case_id, "mode": mode,
+                         "provider": provider or "torch",
+                         "status": f"{verdict}: the process died in provider {provider}'s {phase} (a CUDA error "
+                                   "such as an illegal memory access ends a process; the run resumed after it)"})
+        marker.unlink()
+    return rows
+
+
 def run_cases(cases: list[Case], providers: list[str], settings: Settings, device: str, dtype: torch.dtype,
-              out: Path) -> list[dict]:
+              out: Path, *, resume: bool = False) -> list[dict]:
     """:func:`run_case` for every case, with those of ``providers`` its model has;
-    ``out/models.csv`` is kept current after every case, so an interrupted run leaves data."""
-    rows: list[dict] = []
+    ``out/models.csv`` is kept current after every case, so an interrupted run leaves data.
+    ``resume``: keep the rows of an earlier run into ``out`` (:func:`resumed`) and run only the
+    cases it has none for."""
+    global _marker
+    rows: list[dict] = resumed(out) if resume else []
+    done = {r["case"] for r in rows}
+    cases = [c for c in cases if c.id not in done]
+    _marker = out / RUNNING
     for case in progress(cases, len(cases), "cudnorm bench --models"):
         mine = real_models.providers(case, providers) if isinstance(case, RealCase) else [
             p for p in providers if p in MODEL_PROVIDERS[case.model]]
@@ -724,6 +768,9 @@ def run_cases(cases: list[Case], providers: list[str], settings: Settings, devic
             print(f"skipped {case.id}: {torch_row['status']}")
         rows += got
         report.write_csv(rows, out / "models.csv", columns=COLUMNS)
+    report.write_csv(rows, out / "models.csv", columns=COLUMNS)  # a resumed run may have had nothing left to run
+    _marker.unlink(missing_ok=True)
+    _marker = None
     return rows
 
 

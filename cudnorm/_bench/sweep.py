@@ -70,16 +70,17 @@ HEAD_WIDTHS = tuple(n for n in NARROW if n >= 64)  # per-head query/key norms: r
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}
 # provider -> what it runs; the order is the timing order (PyTorch again last: the noise floor)
-PROVIDERS = ("torch", "cudnorm", "cudnn", "kernel", "liger", "quack", "torch-again")
+# "copy": the bytes the cell's norm must move, moved by PyTorch's copy/add (the bandwidth bound)
+PROVIDERS = ("torch", "cudnorm", "cudnn", "kernel", "liger", "quack", "copy", "torch-again")
 COLUMNS = ("op", "direction", "dtype", "weight_dtype", "bias", "cols", "rows", "elements", "provider",
-           "gpu_ms", "host_us", "ratio_vs_torch", "serves", "decision", "error")
+           "gpu_ms", "host_us", "ratio_vs_torch", "serves", "decision", "measure_ms", "error")
 EPS = 1e-5
 ROUNDS = 3
 MAX_PASSES = 4  # passes over the input sets per round, for cells whose calls take microseconds
 ROUND_MS = 1.0  # a round's target GPU time (more passes only while under it)
 ROTATION_BYTES = 96 << 20  # the input sets together: about twice an H100's L2 cache
 MAX_SETS = 16
-PRIOR_BUDGET_MS = 20.0  # per signature, for the prior's candidates (the dispatcher's own: 40)
+PRIOR_BUDGET_MS = 20.0  # per signature, for the prior's candidates (the dispatcher's own: BUDGET_MS)
 STORE_MB = 8192
 SLEEP_CYCLES_PER_MS = 2.0e6  # ~ the GPU clock; sleeping longer only costs GPU time
 
@@ -262,6 +263,20 @@ def _peer_calls(name: str, cell: Cell, sets: Sets) -> list[Callable]:
     return calls
 
 
+def _copy_calls(cell: Cell, sets: Sets) -> list[Callable]:
+    """The least traffic of the cell's direction, as device copies (one per input set): a
+    forward reads ``x`` and writes ``y``; a backward reads ``x`` and ``dy`` and writes ``dx``
+    (parameters and statistics are ``cols`` or ``rows`` values: left out)."""
+    calls = []
+    for x, dy in zip(sets.xs, sets.dys or sets.xs):
+        x = x.detach()
+        forward = functools.partial(torch.clone, x)
+        backward = functools.partial(torch.add, x, dy)
+        calls.append({"infer": forward, "fwd-train": forward, "bwd": backward}.get(cell.direction)
+                     or _chain(forward, backward))
+    return calls
+
+
 def _chain(first: Callable, second: Callable) -> Callable:
     def run():
         first()
@@ -283,6 +298,8 @@ def unavailable(name: str, device: str) -> str | None:
 def provider_calls(name: str, cell: Cell, sets: Sets) -> list[Callable]:
     if name in ("liger", "quack"):
         return _peer_calls(name, cell, sets)
+    if name == "copy":
+        return _copy_calls(cell, sets)
     if name == "kernel" and not _norm_kernel.supports(cell.cols, cell.dtype, cell.weight,
                                                       cell.weight if cell.bias else None):
         raise Unsupported(f"cudnorm's kernel serves widths up to {_norm_kernel.MAX_COLS}")
@@ -368,6 +385,10 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
                     row["decision"] = " ".join(
                         [decision.get("source", "")] + [f"{n}={ms:.4g}ms(+-{decision.get('spread', {}).get(n, 0):.0%})"
                                                         for n, ms in sorted(decision.get("ms", {}).items())])
+                    cost = decision.get("cost_ms", {})
+                    row["measure_ms"] = cost.get("timing", "")
+                    if cost:
+                        row["decision"] += f" prepare={cost.get('prepare', 0):g}ms first={cost.get('first', 0):g}ms"
         except Unsupported as exc:
             row["error"] = f"unsupported: {exc}"
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the sweep goes on
@@ -498,7 +519,7 @@ def prior_document(prior: dict, command: str) -> dict:
 # -- reading the results -------------------------------------------------------------------------
 
 _INTS = ("cols", "rows", "elements")
-_FLOATS = ("gpu_ms", "host_us", "ratio_vs_torch")
+_FLOATS = ("gpu_ms", "host_us", "ratio_vs_torch", "measure_ms")
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -566,6 +587,39 @@ def worst_per_provider(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+def copy_fractions(rows: list[dict], providers_: Iterable[str] = ("cudnorm", "kernel", "torch")) -> list[list[str]]:
+    """Per op/direction, at widths 64-256 and >= 2^25 elements: each provider's bandwidth as a
+    fraction of the copy's (copy ms / provider ms: issue 46's target >= 80%), median and worst."""
+    by_cell = defaultdict(dict)
+    for r in rows:
+        if 64 <= r["cols"] <= 256 and r["elements"] >= 1 << 25 and r.get("gpu_ms"):
+            by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r["gpu_ms"]
+    providers_ = [p for p in providers_ if any(p in got for got in by_cell.values())]
+    lines = [["cells (N 64-256, >= 2^25 elements)", "count", *(f"{p} median / worst" for p in providers_)]]
+    groups = defaultdict(lambda: defaultdict(list))
+    for (case, _, _), got in by_cell.items():
+        for p in providers_:
+            if "copy" in got and p in got:
+                groups[case][p].append(got["copy"] / got[p])
+    for case, got in sorted(groups.items()):
+        lines.append([case, str(max(map(len, got.values())))] + [
+            f"{statistics.median(got[p]):.0%} / {min(got[p]):.0%}" if got[p] else "-" for p in providers_])
+    return lines
+
+
+def measure_costs(rows: list[dict]) -> list[list[str]]:
+    """The dispatcher's first-call measurement of each signature the sweep met: wall ms of its
+    timing runs (issue 46's target: <= 50 ms), median, 90th percentile and worst. (Building and
+    first-running each candidate, ``prepare=``/``first=`` in the ``decision`` column, is left
+    out: a first call pays that for the kernel that serves it, measured or not.)"""
+    costs = sorted(r["measure_ms"] for r in rows if r["provider"] == "cudnorm" and r.get("measure_ms"))
+    if not costs:
+        return [["measured signatures"]]
+    return [["measured signatures", "median ms", "p90 ms", "worst ms"],
+            [str(len(costs)), f"{statistics.median(costs):.1f}", f"{costs[int(0.9 * (len(costs) - 1))]:.1f}",
+             f"{costs[-1]:.1f}"]]
+
+
 def heatmaps(rows: list[dict], device_name: str, out: Path) -> list[Path]:
     """One PNG per op/direction: cudnorm / PyTorch by width (x) and element count (y), one panel
     per dtype/weight/bias variant, diverging colours on a log scale centred at 1.0 (red: slower)."""
@@ -615,6 +669,9 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
     parts = ["# cudnorm bench --sweep", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
     for title, lines in (("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows)),
                          ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows)),
-                         ("Worst cell of each provider", worst_per_provider(rows))):
+                         ("Worst cell of each provider", worst_per_provider(rows)),
+                         ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows)),
+                         ("First-call measurement (the dispatcher timing a signature's candidates)",
+                          measure_costs(rows))):
         parts += ["", f"## {title}", "", report.markdown_table(lines) if len(lines) > 1 else "(nothing timed)"]
     return "\n".join(parts) + "\n"

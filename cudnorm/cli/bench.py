@@ -86,6 +86,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="?", const="all", metavar="FILTER",
                         help="model-step benchmark instead of the ops (see cudnorm/_bench/models.py); FILTER: "
                              "comma-separated substrings of case ids like dit-1152-b8-s1024:train-compile")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --models: keep the cases an earlier run into --out finished (models.csv) and "
+                             "run the rest; a case the earlier process died in gets a line saying so")
     parser.add_argument("--sweep", nargs="?", const="default", choices=("default", "full"),
                         help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
                              "(cudnorm/_bench/sweep.py); 'full': every dtype, weight dtype and direction")
@@ -130,6 +133,7 @@ def _command(args) -> str:
             parts += [f"--{flag}", str(value)]
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
     parts += ["--host-passes", str(args.host_passes)] if args.host_passes else []
+    parts += ["--resume"] if getattr(args, "resume", False) else []
     return shlex.join(parts)
 
 
@@ -240,6 +244,8 @@ def run(args) -> int:
         raise _args.UsageError("--call", "only goes with --from-csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sweep_flags = [f"--{f}" for f in ("widths", "elements", "jobs") if getattr(args, f) is not None]
+    if args.resume and not args.models:
+        raise _args.UsageError("--resume", "goes with --models")
     if args.sweep:
         return _run_sweep(args, device)
     if sweep_flags:
@@ -356,7 +362,7 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
           f"{len(cases)} cases")
     print("\n".join(f"  provider {note}" for note in notes))
     out.mkdir(parents=True, exist_ok=True)
-    rows = models.run_cases(cases, usable, settings, device, dtype, out)
+    rows = models.run_cases(cases, usable, settings, device, dtype, out, resume=args.resume)
     meta = {"command": _command(args), "device": device_name, "versions": _bench.versions(),
             "dtype": str(dtype).removeprefix("torch."),
             "loop": f"{settings.rounds}-{settings.max_rounds} rounds (until {settings.min_timed_s:g} s of steps) x "

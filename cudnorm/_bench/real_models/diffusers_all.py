@@ -83,12 +83,27 @@ def classes() -> list[type]:
 
     found = {}
     for module, pattern in ((transformers, ""), (diffusers, "Transformer")):
-        for name in dir(module):
-            obj = getattr(module, name)
-            if (isinstance(obj, type) and issubclass(obj, torch.nn.Module) and pattern in name
-                    and name.endswith(("Model", "Transformer", "Decoder"))):
-                found[name] = obj
+        found.update(exported_modules(module, pattern))
     return [found[name] for name in sorted(found)]
+
+
+def exported_modules(module, pattern: str) -> dict[str, type]:
+    """``{name: class}`` of the ``torch.nn.Module`` classes ``module`` exports whose name holds
+    ``pattern`` and ends like a model's. Names are filtered before they are resolved: diffusers
+    resolves its exports lazily, and some fail to import where an optional dependency is
+    half there (its ONNX pipelines, with ``onnx`` installed but not ``onnxruntime``'s providers);
+    such a name is passed over."""
+    found = {}
+    for name in dir(module):
+        if pattern not in name or not name.endswith(("Model", "Transformer", "Decoder")):
+            continue
+        try:
+            obj = getattr(module, name)
+        except (AttributeError, ImportError, RuntimeError):
+            continue
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+            found[name] = obj
+    return found
 
 
 def defaults(cls: type) -> dict:
