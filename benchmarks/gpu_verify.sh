@@ -103,11 +103,19 @@ PY
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;
     real-diffusers) PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} timeout "${MODELS_LIMIT:-560}" python3 -m cudnorm.cli bench --models diffusers- --out "$out/real-diffusers" \
                       --providers "${REAL_PROVIDERS:-torch,cudnorm,cudnorm-blocks,cudnorm-torch,torch-again,limit}" 2>&1 | tail -40 ;;
-    diffusers-all)  # resumed while a case kills the process (a CUDA error ends it), within MODELS_LIMIT in all
+    diffusers-all)  # resumed while a case kills the process (a CUDA error ends it), within MODELS_LIMIT in all;
+      # DA_SHARD=i/n: the i-th (from 0) of n equal slices of the classes, by name (one GPU each with --spread)
       end=$(( $(date +%s) + ${MODELS_LIMIT:-560} ))
+      filter=diffusers-all
+      if [ -n "${DA_SHARD:-}" ]; then
+        filter=$(PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} python3 -c "
+import sys; from cudnorm._bench.real_models import diffusers_all as d
+i, n = map(int, sys.argv[1].split('/')); names = d.names()
+print(','.join(f'{m}:' for m in names[i * len(names) // n:(i + 1) * len(names) // n]))" "$DA_SHARD" 2>/dev/null)
+      fi
       while :; do
         PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} timeout $(( end - $(date +%s) )) python3 -m cudnorm.cli \
-          bench --models diffusers-all --resume --out "$out/diffusers-all" --providers torch,cudnorm,torch-again 2>&1 | tail -80
+          bench --models "$filter" --resume --out "$out/diffusers-all" --providers torch,cudnorm,torch-again 2>&1 | tail -80
         [ -f "$out/diffusers-all/running.txt" ] && [ $(( end - $(date +%s) )) -gt 30 ] || break
         echo "resuming after: $(cat "$out/diffusers-all/running.txt")"
       done ;;

@@ -102,3 +102,20 @@ def test_exports_that_fail_to_resolve_are_passed_over():
             raise AttributeError(f"module has no attribute {name}")  # as diffusers' lazy import does
 
     assert diffusers_all.exported_modules(Lazy("fake"), "Transformer") == {"FakeTransformer2DModel": FakeTransformer2DModel}
+
+
+@pytest.mark.parametrize("name", ["CogVideoXTransformer3DModel", "PixArtTransformer2DModel", "Lumina2Transformer2DModel"])
+def test_inputs_meet_what_the_class_reads(name):
+    """The rules for classes the generic inputs once failed: CogVideoX's positional table spans
+    max_text_seq_length caption tokens; PixArt at 1024 px reads resolution and aspect-ratio
+    tensors; Lumina 2 counts its caption tokens from a boolean mask."""
+    cls = diffusers_all._by_name()[name]
+    config = diffusers_all.shrink(cls, toy=False)
+    kwargs = diffusers_all.make_inputs(cls, config, 2, "meta", torch.bfloat16, None, toy=False)
+    if name.startswith("CogVideoX"):
+        assert kwargs["encoder_hidden_states"].shape[1] == config["max_text_seq_length"] == 226
+    elif name.startswith("PixArt"):
+        cond = kwargs["added_cond_kwargs"]
+        assert cond["resolution"].shape == (2, 2) and cond["aspect_ratio"].shape == (2, 1)
+    else:
+        assert kwargs["encoder_attention_mask"].dtype is torch.bool

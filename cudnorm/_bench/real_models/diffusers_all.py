@@ -42,12 +42,12 @@ PREFIX = "diffusers-all:"
 # norms cudnorm.patch swaps; 12 skipped: 10 cannot be built from their defaults (a required
 # width such as in_channels defaults to None: DreamLite, Dual, EasyAnimate, HiDreamImage,
 # HunyuanDiT, Latte, LuminaNextDiT, OmniGen, Transformer2DModel, TransformerTemporal), 2 have no
-# norm the patch swaps (Krea2, StableAudio3DiT). Of the 64, the generic inputs ran 22 on the CPU at
-# toy widths (Bria, Chroma, ChronoEdit, CogView3Plus, CogView4, DiT, Flux, Flux2, Flux3, Helios,
-# HunyuanImage, HunyuanVideo, JoyImageEdit, LongCatImage, Mochi, MotifVideo, NucleusMoEImage,
-# OvisImage, PixArt, QwenImage, SkyReelsV2, Wan); about 30 failed (an argument no rule makes:
-# r_timestep, text_bth, position_ids, cap_feats...; or shapes the toy widths break, as SD3's
-# caption projection), the rest untried. A run reports each such class skipped with its error.
+# norm the patch swaps (Krea2, StableAudio3DiT). Of the 64, the generic inputs run 25 on the CPU at
+# toy widths (Bria, Chroma, ChronoEdit, CogVideoX, CogView3Plus, CogView4, ConsisID, DiT, Flux, Flux2,
+# Flux3, Helios, HunyuanImage, HunyuanVideo, JoyImageEdit, LongCatImage, Lumina2, Mochi, MotifVideo,
+# NucleusMoEImage, OvisImage, PixArt, QwenImage, SkyReelsV2, Wan); others only at the run's widths
+# (Allegro, AuraFlow, SD3, Sana, SanaVideo: the toy widths break a projection); about 30 need an
+# argument no rule makes (r_timestep, text_bth, position_ids, cap_feats...) and are reported skipped.
 
 #: the classes ``--quick`` runs, one per family (DiT, Wan, CogView, QwenImage; Flux.1's is
 #: diffusers-flux.1-dev's): about 10-20 s each on 2 CPU cores, both modes, four providers; the
@@ -155,6 +155,10 @@ def _patch(config: dict) -> tuple[int, int]:
 _LAYOUT = {"CogVideoXTransformer3DModel": "frames-first", "ConsisIDTransformer3DModel": "frames-first"}
 
 
+# classes whose text mask is not a float one: Lumina 2 counts its tokens (.sum().tolist()) to size tensors
+_MASK_DTYPES = {"Lumina2Transformer2DModel": torch.bool}
+
+
 def _layout(cls: type) -> str:
     if cls.__name__ in _LAYOUT:
         return _LAYOUT[cls.__name__]
@@ -176,7 +180,9 @@ def _sizes(config: dict, cls: type, toy: bool) -> dict:
     if layout == "packed":
         side //= 2  # 2 x 2 latents already packed into the channels
     side = max(side, 2 * p)
-    return {"side": side - side % p, "frames": 2 * t if toy else 4 * t, "text": 8 if toy else 128, "layout": layout}
+    # a model whose positional table spans a fixed caption length (CogVideoX's max_text_seq_length) takes that many
+    text = config.get("max_text_seq_length") or (8 if toy else 128)
+    return {"side": side - side % p, "frames": 2 * t if toy else 4 * t, "text": text, "layout": layout}
 
 
 def _ids(side: int, text: int, axes: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,10 +221,13 @@ def make_inputs(cls: type, config: dict, batch: int, device, dtype, gen, toy: bo
         "img_ids": lambda: img_ids,
         "txt_ids": lambda: txt_ids,
         "guidance": lambda: torch.full((batch,), 3.5, device=device, dtype=dtype),
-        "encoder_attention_mask": lambda: torch.ones(batch, text, device=device, dtype=dtype),
+        "encoder_attention_mask": lambda: torch.ones(batch, text, device=device,
+                                                     dtype=_MASK_DTYPES.get(cls.__name__, dtype)),
         "class_labels": lambda: torch.randint(0, _field(config, ("num_embeds_ada_norm", "num_classes"), 10),
                                               (batch,), generator=gen, device=device),
-        "added_cond_kwargs": lambda: {"resolution": None, "aspect_ratio": None},
+        # PixArt's micro-conditions (read where use_additional_conditions: the 1024 px default)
+        "added_cond_kwargs": lambda: {"resolution": torch.full((batch, 2), side * 8.0, device=device, dtype=dtype),
+                                      "aspect_ratio": torch.ones(batch, 1, device=device, dtype=dtype)},
         "img_shapes": lambda: [[(1, side, side)]] * batch,
         # SDXL-style micro-conditioning (CogView): image sizes in pixels, the crop's corner
         "original_size": lambda: torch.full((batch, 2), side * 8, device=device, dtype=dtype),
