@@ -62,6 +62,27 @@ def store(tmp_path, monkeypatch):
     cudnorm.clear_cache()
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_closures_launched_from_python_are_marked(training):
+    """The candidates a real call launches from Python (cudnorm's kernel; adaptive RMSNorm's
+    formula, a chain of ops) are timed with their host time added; the ops that launch from
+    C++ (PyTorch's LayerNorm/RMSNorm, cuDNN) are not."""
+    x, w, b = torch.randn(8, 16), torch.randn(16), torch.randn(16)
+    marked = {}
+    for op in ("layer_norm", "rms_norm"):
+        sig = _candidates.signature(op, training, x, w, b if op == "layer_norm" else None, 16)
+        for name in ("torch", "cudnn", "kernel"):
+            fn = _candidates.CANDIDATES[name].prepare(sig, x, w, b if op == "layer_norm" else None, 1e-5)
+            marked[op, name] = getattr(fn, "python_launch", False)
+    scale = torch.randn(2, 16)
+    sig = _candidates.signature("ada_rms_norm", training, x, scale, None, 16)
+    for name in ("torch", "kernel"):
+        fn = _candidates.CANDIDATES[name].prepare(sig, x, scale, None, 1e-5)
+        marked["ada_rms_norm", name] = getattr(fn, "python_launch", False)
+    assert {key for key, on in marked.items() if on} == {
+        ("layer_norm", "kernel"), ("rms_norm", "kernel"), ("ada_rms_norm", "torch"), ("ada_rms_norm", "kernel")}
+
+
 def test_store_keeps_the_first_decision_written(store):
     first = store.save_decision("k", 0, False, {"choice": "torch", "ms": {"torch": 1.0}})
     assert first["choice"] == "torch" and store.load_decision("k", 0, False)["choice"] == "torch"
