@@ -94,10 +94,11 @@ def _promoted_by_pytorch(input, weight, weight_offset, residual) -> bool:
     on fp32 input, as a model that upcasts its activations for the norm hands over), which
     PyTorch's ``torch.rms_norm`` takes by type promotion: that op serves such a call, so a
     patched model computes what it computed before."""
-    return (residual is None and type(weight_offset) in (float, int) and weight_offset == 0
-            and isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and input.is_floating_point() and weight.is_floating_point() and weight.device == input.device
-            and weight.dtype not in _checks.param_dtypes(input.dtype))
+    # the common call (no weight, or one of the input's dtype) is answered by the first tests
+    return (isinstance(weight, torch.Tensor) and isinstance(input, torch.Tensor) and weight.dtype is not input.dtype
+            and weight.dtype not in _checks.param_dtypes(input.dtype) and input.is_floating_point()
+            and weight.is_floating_point() and weight.device == input.device and residual is None
+            and type(weight_offset) in (float, int) and weight_offset == 0)
 
 
 def python_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0, residual=None):
