@@ -16,7 +16,8 @@ Candidates:
 * ``torch``: PyTorch's own fused kernels (``native_layer_norm``, ``_fused_rms_norm`` and their
   backwards), which ``torch.nn.functional`` runs;
 * ``kernel``: cudnorm's own Triton kernel (:mod:`cudnorm._norm_kernel`), for the widths and
-  row counts where neither of the others reaches the memory bandwidth.
+  row counts where neither of the others reaches the memory bandwidth; launched from C++ on
+  the native path (csrc/kernel.cpp), from Python without it.
 
 Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's dtype, its bias
 the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
@@ -33,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ada_rms, _norm_kernel
+from . import _ada_rms, _entry, _norm_kernel
 
 _F32 = torch.float32
 _LN_FORWARD = torch.ops.aten.native_layer_norm.default
@@ -195,6 +196,15 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_kernel_run)
     rms = sig.op == "rms_norm"
+    if _entry.native and x.is_cuda:  # launched from C++ as a real call is (csrc/kernel.cpp): its GPU time counts
+        ops = torch.ops.cudnorm_native
+        if not sig.training:
+            return lambda: ops.kernel_fwd(x, weight, bias, eps, False, rms)
+
+        def run_native():
+            _, stats = ops.kernel_fwd(x, weight, bias, eps, True, rms)
+            return ops.kernel_bwd(x, x, weight, stats, rms, None if bias is None else bias.dtype)
+        return run_native
     if not sig.training:
         return _from_python(lambda: _norm_kernel.norm(x, weight, bias, eps, rms))
     # as a training call runs it: its autograd function, then PyTorch's autograd engine calling
@@ -207,6 +217,11 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
             return torch.autograd.grad(_norm_kernel.norm(xl, wl, bl, eps, rms), inputs, x)
     return _from_python(run)
 
+
+# Which implementation of the candidates a stored decision measured: bumped whenever a change
+# to a candidate would change what its measurement finds, so decisions stored by an earlier
+# revision are measured again (2: cudnorm's kernel launched from C++ on the native path).
+REVISION = 2
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has
 # to beat), then cuDNN, then cudnorm's own kernel.

@@ -78,7 +78,7 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
     baseline = "torch" if "torch" in names else "cudnn"
     if len(names) == 1:
         return _keep(key, names[0], {"source": "only candidate"})
-    stored = _plan_store.load_decision(sig.key(), device, deterministic)
+    stored = _plan_store.load_decision(_store_key(sig), device, deterministic)
     if stored is not None and stored.get("choice") in names:
         return _keep(key, stored["choice"], {**stored, "source": "stored"})
     prior = prior_times(sig, device)
@@ -98,10 +98,16 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
               "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time(),
               "errors": errors, "cost_ms": cost}
-    kept = _plan_store.save_decision(sig.key(), device, deterministic, record)
+    kept = _plan_store.save_decision(_store_key(sig), device, deterministic, record)
     if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
         return _keep(key, kept["choice"], {**kept, "source": "stored (another process decided first)"})
     return _keep(key, choice, {**record, "source": "measured"})
+
+
+def _store_key(sig: Signature) -> str:
+    """The plan store's key of ``sig``'s decision: its key and the candidates' revision (a
+    decision measured on other implementations is not reused)."""
+    return f"{sig.key()}/candidates={_candidates.REVISION}"
 
 
 def _keep(key: tuple, choice: str, why: dict) -> str:

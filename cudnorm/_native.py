@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm, _ops,
-               _recording, _rows, _runtime, _settings, _warn)
+from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
+               _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -527,14 +527,29 @@ def _resolve_ada_backward(x2: torch.Tensor, ints, floats) -> list[int]:
         plan = _ada_strategies.plan_for(strategy.spec(x2, b, scale_dtype, x2.device.index))
         if isinstance(plan, _ada_strategies.KernelSpec):  # cudnorm's own kernel, launched by C++ where it can
             kernel = _ada_kernel.native_launch(x2, b, scale_dtype, bool(_dit))
-            return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, scale_dtype, kernel=kernel)
+            # no grid of its own: C++ launches chunks per sample (programs and tiles unused)
+            return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, scale_dtype, kernel=(*kernel, 0, 0))
         if plan is not None:
             return _recipe(SINGLE if name == "cudnn" else PER_SAMPLE, scale_dtype,
                            launches=[(plan, 0, plan.spec.rows)])
     return _recipe(PYTHON)
 
 
-_SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h ("kernel": Python runs it)
+def _resolve_kernel_forward(x: torch.Tensor, ints, floats) -> list[int]:
+    rms, training, weight_code, bias_code = ints
+    kernel = _norm_kernel.native_launch(x, bool(rms), bool(training), _DTYPES.get(weight_code),
+                                        _DTYPES.get(bias_code))
+    return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
+
+
+def _resolve_kernel_backward(x: torch.Tensor, ints, floats) -> list[int]:
+    rms, weight_code, has_bias = ints
+    kernel = _norm_kernel.native_launch(x, bool(rms), True, _DTYPES.get(weight_code),
+                                        torch.float32 if has_bias else None, backward=True)
+    return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
+
+
+_SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h
 
 
 def _serve(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> list[int]:
@@ -545,7 +560,8 @@ def _serve(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool
 
 
 _RESOLVERS = {"norm_fwd": _resolve_norm_forward, "norm_bwd": _resolve_norm_backward,
-              "ada_fwd": _resolve_ada_forward, "ada_bwd": _resolve_ada_backward}
+              "ada_fwd": _resolve_ada_forward, "ada_bwd": _resolve_ada_backward,
+              "kernel_fwd": _resolve_kernel_forward, "kernel_bwd": _resolve_kernel_backward}
 
 
 def resolve(kind: str, x: torch.Tensor, ints: list[int], floats: list[float]) -> list[int]:
@@ -586,6 +602,17 @@ def _kernel(name: str, tensors: list, scalars: list[float]) -> list[torch.Tensor
         dy, x, scale, stats = tensors
         dit, shift_code = scalars
         return list(_ada._backward_impl(dy, x, scale, stats, bool(dit), _DTYPES[int(shift_code)]))
+    if name == "kernel_fwd":  # cudnorm's own kernel where C++ cannot launch it (csrc/kernel.cpp)
+        x, weight, bias = tensors
+        eps, training, rms = scalars
+        y, stats = _norm_kernel.forward(x.contiguous(), weight, bias, eps, bool(rms), bool(training))
+        return [y, _empty(x) if stats is None else stats[0] if rms else stats]
+    if name == "kernel_bwd":
+        dy, x, weight, stats = tensors
+        rms, bias_code = scalars
+        dx, dw, db = _norm_kernel.backward(dy, x.contiguous(), weight, stats.view(-1, x.shape[0]) if rms else stats,
+                                           bool(rms), _DTYPES.get(int(bias_code)))
+        return [dx, _empty(x) if dw is None else dw, _empty(x) if db is None else db]
     raise ValueError(f"cudnorm: no Python kernel {name!r}")
 
 

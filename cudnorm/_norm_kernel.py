@@ -340,3 +340,63 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _NormFunction.apply(x, weight, bias, eps, rms)
     return forward(x, weight, bias, eps, rms, training=False)[0]
+
+
+# -- the launch C++ makes (csrc/kernel.cpp) ------------------------------------------------------
+
+# the compiled kernels' parameters C++ fills, in order: pointers, then 32-bit scalars
+# forward: x, weight, bias, y, mean, rstd; rows, tiles, eps (fp32), seq
+# backward: x, dy, weight, mean, rstd, dx, dweight partial, dbias partial; rows, tiles
+_NATIVE_PARAMETERS = {False: 6 * ["*"] + ["i32", "i32", "fp32", "i32"], True: 8 * ["*"] + ["i32", "i32"]}
+_SCRATCH = ("global_scratch_size", "profile_scratch_size")
+
+
+def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torch.dtype | None,
+                  bias_dtype: torch.dtype | None, backward: bool = False
+                  ) -> tuple[int, int, int, int, int, int, int] | None:
+    """``(CUfunction, threads, shared bytes, 0, scratch parameters, programs, tiles)``: the
+    compiled kernel serving ``x: [M, N]`` (a packed CUDA or meta tensor) forward (``training``:
+    writing statistics) or ``backward``, for cudnorm's native path to launch through the CUDA
+    driver (csrc/kernel.cpp) with the launch shape :func:`_config` gives; the 0 is the AdaLN
+    kernel's per-sample chunk count, unused here. Compiled for 16-byte aligned pointers (C++
+    checks each call) and the call's width, weight and bias dtypes. ``None`` where the compiled
+    kernel is not the plain launch C++ makes (clusters, cooperative or PDL launches, scratch
+    memory, another parameter list) or the row count needs 64-bit scalars: Python launches it then.
+
+    A kernel launched from Python costs 0.3-0.5 ms more host time per training call than one
+    launched from C++ (a lent H200, docs/performance.md), which decided narrow training calls
+    against it wherever the step is host-bound."""
+    rows, cols = x.shape
+    config = _config(cols, x.dtype, rows, backward)
+    device = x.device if x.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    tiles = -(-rows // config.block_m)
+    programs = tiles if config.programs_per_sm == 0 else min(tiles, _sm_count(device.index) * config.programs_per_sm)
+    if rows >= 2**31 or tiles >= 2**31:
+        return None
+    wdtype = weight_dtype or x.dtype  # an absent parameter's pointer is x's, as the Python launch passes it
+    meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms, "HAS_W": weight_dtype is not None,
+            "num_warps": config.num_warps}
+    # the first values of the scalars only choose their types (i32, fp32); none is specialised
+    if backward:
+        dtypes = (x.dtype, x.dtype, wdtype, _F32, _F32, x.dtype, _F32, _F32)
+        meta["HAS_DB"] = bias_dtype is not None
+        scalars = (rows, tiles)
+    else:
+        stats = _F32 if training else x.dtype  # not training: y's pointer stands for the statistics
+        dtypes = (x.dtype, wdtype, bias_dtype or x.dtype, x.dtype, stats, stats)
+        meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=False, ONE_PLUS=False)
+        scalars = (rows, tiles, 1e-5, 1)
+    with torch.cuda.device(device):
+        compiled = _kernels()[backward].warmup(*dtypes, *scalars, grid=(1,), **meta)
+        compiled.run  # noqa: B018 - loads the module: sets compiled.function
+    info = compiled.metadata
+    signature = [kind for kind in compiled.src.signature.values() if kind != "constexpr"]
+    want = _NATIVE_PARAMETERS[backward]
+    plain = (getattr(info, "num_ctas", 1) == 1 and not getattr(info, "launch_pdl", False)
+             and not getattr(info, "launch_cooperative_grid", False)
+             and not any(getattr(info, name, 0) for name in _SCRATCH)
+             and len(signature) == len(want) and all(kind.startswith(w) for kind, w in zip(signature, want)))
+    if not plain or not compiled.function:
+        return None
+    return (int(compiled.function), 32 * info.num_warps, info.shared, 0,
+            sum(hasattr(info, name) for name in _SCRATCH), programs, tiles)

@@ -121,6 +121,11 @@ CLASSES = {
     "cogvideox_adaln_zero": (f"{_NORMALIZATION}.CogVideoXLayerNormZero",),
     "adaln_shift": ("diffusers.models.transformers.hunyuan_transformer_2d.AdaLayerNormShift",),
     "sana_modulated_norm": ("diffusers.models.transformers.sana_transformer.SanaModulatedNorm",),
+    # diffusers' modulated RMSNorms, on cudnorm.ada_rms_norm
+    "lumina_rms_norm_zero": (f"{_NORMALIZATION}.LuminaRMSNormZero",),
+    "lumina_layer_norm_continuous": (f"{_NORMALIZATION}.LuminaLayerNormContinuous",),
+    "mochi_rms_norm_zero": ("diffusers.models.transformers.transformer_mochi.MochiRMSNormZero",),
+    "mochi_modulated_rms_norm": ("diffusers.models.transformers.transformer_mochi.MochiModulatedRMSNorm",),
 }
 
 #: formula name -> the classes of it that the tests run against cudnorm, one for each way the
@@ -157,7 +162,7 @@ LEFT = {
     f"{_NORMALIZATION}.AdaLayerNormSingle": (
         "normalises nothing: PixArt's timestep embedding and modulation linear (the blocks' nn.LayerNorms "
         "it modulates are swapped)"),
-    f"{_NORMALIZATION}.LuminaRMSNormZero": (
-        "its RMSNorm (norm) is swapped; the modulation x_hat * (1 + scale) stays PyTorch's: cudnorm has no "
-        "adaptive RMSNorm"),
+    "diffusers.models.transformers.transformer_mochi.MochiLayerNormContinuous": (
+        "its modulated RMSNorm (norm, a MochiModulatedRMSNorm) is swapped and runs cudnorm.ada_rms_norm; what "
+        "remains is its projection of the conditioning"),
 }

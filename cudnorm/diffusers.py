@@ -29,7 +29,9 @@ take fp32 conditioning as well.
 
 The forwards of these classes read only attributes that diffusers' classes of the same names
 have too, so :func:`cudnorm.patch` runs them on diffusers' own modules (:data:`FUSED`, with the
-forwards of ``CogVideoXLayerNormZero``, ``AdaLayerNormShift`` and ``SanaModulatedNorm``);
+forwards of ``CogVideoXLayerNormZero``, ``AdaLayerNormShift`` and ``SanaModulatedNorm``, and
+of the modulated RMSNorms ``LuminaRMSNormZero``, ``MochiRMSNormZero`` and
+``MochiModulatedRMSNorm`` on :func:`cudnorm.ada_rms_norm`, and ``LuminaLayerNormContinuous``);
 :func:`from_diffusers` builds the class here around a diffusers module's children. This module
 never imports diffusers.
 """
@@ -46,6 +48,7 @@ import torch
 from . import _checks
 from ._patch_table import qualified_name
 from .ada_layer_norm import ada_layer_norm
+from .ada_rms_norm import ada_rms_norm
 from .layer_norm import layer_norm
 from .modules import LayerNorm, RMSNorm
 from .rms_norm import rms_norm
@@ -518,6 +521,100 @@ def _sana_modulated_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
     return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
 
 
+# ---------------------------------------------------------------- modulated RMSNorms
+
+def _ada_rms_dtype(x: torch.Tensor, scale: torch.Tensor) -> torch.dtype | None:
+    """The dtype :func:`ada_rms_norm` reads ``scale`` in for ``x`` (fp32 or ``x``'s: a
+    half-precision scale of the other kind widens to fp32, exactly), or None where ``scale``
+    is not a per-sample ``[B, D]`` or ``[B, 1, D]`` modulation of ``x [B, S, D]``."""
+    b, d = x.shape[0], x.shape[-1]
+    if not (x.dim() == 3 and scale.dim() in (2, 3) and scale.shape[0] == b and scale.shape[-1] == d
+            and scale.numel() == b * d and x.dtype in _INPUT_DTYPES and x.dtype is not torch.float64):
+        return None
+    return scale.dtype if scale.dtype in (x.dtype, torch.float32) else torch.float32
+
+
+def _rms_norm_zero(x: torch.Tensor, scale: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """diffusers' ``RMSNorm(x) * (1 + scale[:, None])`` (Lumina's ``LuminaRMSNormZero``) for a
+    ``[B, D]`` chunk ``scale``: one :func:`ada_rms_norm` call, the norm's weight folded into the
+    per-sample gain ``weight * (1 + scale)`` in fp32. Returns the dtype diffusers' formula
+    does: the promotion of the RMSNorm's output dtype (:func:`_modulated_rms_norm`) and ``scale``'s."""
+    weight = norm.weight
+    if weight is None or weight.dtype is x.dtype:
+        norm_dtype = x.dtype
+    else:
+        norm_dtype = weight.dtype if weight.dtype in _HALF else torch.promote_types(x.dtype, weight.dtype)
+    dtype = torch.promote_types(norm_dtype, scale.dtype)
+    xd = x.to(dtype)
+    if _ada_rms_dtype(xd, scale) is None:  # any other shape: the formula as written
+        return _modulated_rms_norm(x, scale[:, None], torch.zeros((), dtype=scale.dtype, device=scale.device), norm)
+    if weight is None:
+        return ada_rms_norm(xd, scale.to(_ada_rms_dtype(xd, scale)), None, norm.eps, one_plus_scale=True)
+    wide = torch.promote_types(dtype, torch.float32)
+    gain = (1 + scale.to(wide)) * weight.to(wide)
+    return ada_rms_norm(xd, gain, None, norm.eps, one_plus_scale=False)
+
+
+def _lumina_rms_norm_zero(self, x: torch.Tensor, emb: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``LuminaRMSNormZero.forward`` (Lumina-Next, Lumina 2) on cudnorm: ``emb [B, C]``
+    projects to ``(scale_msa, gate_msa, scale_mlp, gate_mlp)``; ``RMSNorm(x) * (1 + scale_msa)``
+    of ``x [B, S, D]`` is one :func:`ada_rms_norm` call. Returns ``(modulated x, gate_msa,
+    scale_mlp, gate_mlp)``, the last three ``[B, D]``."""
+    scale_msa, gate_msa, scale_mlp, gate_mlp = _chunks("LuminaRMSNormZero", self, x, "x", emb, 4)
+    return _rms_norm_zero(x, scale_msa, self.norm), gate_msa, scale_mlp, gate_mlp
+
+
+def _lumina_layer_norm_continuous(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``LuminaLayerNormContinuous.forward`` (Lumina's output norm) on cudnorm:
+    ``norm(x) * (1 + scale)`` with ``scale = linear_1(silu(conditioning_embedding))`` ``[B, D]``,
+    one :func:`ada_layer_norm` call (a LayerNorm's weight and bias folded in) or one
+    :func:`ada_rms_norm` call (an RMSNorm's weight folded in), then ``linear_2`` where the
+    module has one."""
+    cls = "LuminaLayerNormContinuous"
+    _input(cls, "x", x)
+    scale = self.linear_1(self.silu(_input(cls, "conditioning_embedding", conditioning_embedding)).to(x.dtype))
+    norm = self.norm
+    if isinstance(norm, torch.nn.LayerNorm):
+        x = _modulated_layer_norm(x, scale[:, None, :], torch.zeros_like(scale)[:, None, :], norm.eps, norm.weight,
+                                  norm.bias)
+    else:
+        x = _rms_norm_zero(x, scale, norm)
+    return x if self.linear_2 is None else self.linear_2(x)
+
+
+def _mochi_rms_norm_zero(self, hidden_states: torch.Tensor, emb: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``MochiRMSNormZero.forward`` on cudnorm: the fp32 RMSNorm of ``hidden_states
+    [B, S, D]`` times ``1 + scale_msa`` (fp32), rounded once to its dtype: one
+    :func:`ada_rms_norm` call (which computes exactly that). Returns ``(modulated, gate_msa,
+    scale_mlp, gate_mlp)``, the last three ``[B, D]``."""
+    cls = "MochiRMSNormZero"
+    scale_msa, gate_msa, scale_mlp, gate_mlp = _chunks(cls, self, hidden_states, "hidden_states", emb, 4)
+    dtype = _ada_rms_dtype(hidden_states, scale_msa)
+    if dtype is None:
+        y = rms_norm(hidden_states.to(torch.float32), hidden_states.shape[-1], None, self.norm.eps)
+        return (y * (1 + scale_msa[:, None].to(torch.float32))).to(hidden_states.dtype), gate_msa, scale_mlp, gate_mlp
+    return (ada_rms_norm(hidden_states, scale_msa.to(dtype), None, self.norm.eps, one_plus_scale=True),
+            gate_msa, scale_mlp, gate_mlp)
+
+
+def _mochi_modulated_rms_norm(self, hidden_states: torch.Tensor, scale: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """diffusers' ``MochiModulatedRMSNorm.forward`` (Mochi's gated residual norms and its output
+    norm) on cudnorm: the fp32 RMSNorm of ``hidden_states [B, S, D]``, times ``scale [B, 1, D]``
+    where given (Mochi passes ``tanh(gate)`` or ``1 + scale``), rounded once to its dtype: one
+    :func:`rms_norm` or :func:`ada_rms_norm` call."""
+    x = _input("MochiModulatedRMSNorm", "hidden_states", hidden_states)
+    d, eps = x.shape[-1], self.norm.eps
+    if scale is None:
+        return rms_norm(x.to(torch.float32), d, None, eps).to(x.dtype)
+    dtype = _ada_rms_dtype(x, scale)
+    if dtype is None:  # any other broadcast: the formula as written
+        return (rms_norm(x.to(torch.float32), d, None, eps) * scale).to(x.dtype)
+    return ada_rms_norm(x, scale.to(dtype), None, eps, one_plus_scale=False)
+
+
 # ---------------------------------------------------------------- diffusers' modules on these forwards
 
 class Fused(NamedTuple):
@@ -533,6 +630,7 @@ class Fused(NamedTuple):
 
 
 _NORMALIZATION = "diffusers.models.normalization"
+_MOCHI = "diffusers.models.transformers.transformer_mochi"
 _ADALN = frozenset(("silu", "linear", "norm"))
 #: diffusers class (module-qualified name) -> how it runs on cudnorm (:func:`cudnorm.patch`)
 FUSED = {
@@ -546,6 +644,12 @@ FUSED = {
     "diffusers.models.transformers.hunyuan_transformer_2d.AdaLayerNormShift": Fused(_ada_layer_norm_shift, _ADALN),
     "diffusers.models.transformers.sana_transformer.SanaModulatedNorm": Fused(_sana_modulated_norm,
                                                                              frozenset(("norm",))),
+    f"{_NORMALIZATION}.LuminaRMSNormZero": Fused(_lumina_rms_norm_zero, _ADALN, ("rms_norm",)),
+    f"{_NORMALIZATION}.LuminaLayerNormContinuous": Fused(_lumina_layer_norm_continuous,
+                                                         frozenset(("silu", "linear_1", "norm", "linear_2")),
+                                                         ("layer_norm", "rms_norm")),
+    f"{_MOCHI}.MochiRMSNormZero": Fused(_mochi_rms_norm_zero, _ADALN, ("rms_norm",)),
+    f"{_MOCHI}.MochiModulatedRMSNorm": Fused(_mochi_modulated_rms_norm, frozenset(("norm",)), ("rms_norm",)),
 }
 # the classes of this file, by the name of the diffusers class each mirrors
 _MIRRORS = {cls.__name__: cls for cls in (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import emulated_cudnn as emu
+import interpreted
 
 import cudnorm
 from cudnorm import _ada_kernel, _entry, _native, _policy, _runtime
@@ -31,8 +32,8 @@ def resolve(monkeypatch):
     def run(kind, x, ints, floats=(0.0,)):
         out = _native.resolve(kind, x, list(ints), list(floats))
         cacheable, mode, dtype_code, fused, overlap, count, *launches = out
-        kernel = launches[3 * count:]  # a KERNEL recipe's launch (recipes.cpp parses 5 ints)
-        assert len(kernel) == (5 if mode == _native.KERNEL else 0)
+        kernel = launches[3 * count:]  # a KERNEL recipe's launch (recipes.cpp parses 7 ints)
+        assert len(kernel) == (7 if mode == _native.KERNEL else 0)
         return {"cacheable": bool(cacheable), "mode": mode, "dtype": _native._DTYPES[dtype_code],
                 "fused": bool(fused), "overlap": overlap,
                 "launches": [tuple(launches[3 * k:3 * k + 3]) for k in range(count)], "kernel": tuple(kernel)}
@@ -117,9 +118,60 @@ def test_adaln_strategies_follow_the_rules(resolve, monkeypatch, batch, kernel, 
     assert forward["mode"] == _native.SINGLE
     recipe = resolve("ada_bwd", x2, [batch, _code(BF16), 1], [])
     assert recipe["mode"] == backward
-    assert recipe["kernel"] == (LAUNCH if backward == _native.KERNEL else ())
+    assert recipe["kernel"] == ((*LAUNCH, 0, 0) if backward == _native.KERNEL else ())
     cudnorm.config(ada_forward="torch")
     assert resolve("ada_fwd", x2, [1, batch, _code(BF16), _code(BF16), 1], [])["mode"] == _native.PYTHON
+
+
+NORM_LAUNCH = (0x7F00, 128, 0, 0, 2, 528, 4096)  # (function, threads, shared, 0, scratch, programs, tiles)
+
+
+@pytest.mark.parametrize("launch", [NORM_LAUNCH, None])
+def test_kernel_recipes_carry_the_compiled_launch(resolve, monkeypatch, launch):
+    """A signature the dispatcher gave to cudnorm's kernel: C++ launches what Python compiled
+    (kernel.cpp), or, where the compiled kernel is not a plain launch, Python launches it."""
+    asked = []
+
+    def native_launch(x, rms, training, weight_dtype, bias_dtype, backward=False):
+        asked.append((tuple(x.shape), rms, training, weight_dtype, bias_dtype, backward))
+        return launch
+
+    monkeypatch.setattr(_native._norm_kernel, "native_launch", native_launch)
+    x = torch.randn(1 << 14, 96, dtype=BF16)
+    forward = resolve("kernel_fwd", x, [0, 1, _code(torch.float32), _code(BF16)], [])
+    backward = resolve("kernel_bwd", x, [1, -1, 0], [])
+    for recipe in (forward, backward):
+        assert recipe["mode"] == (_native.KERNEL if launch else _native.PYTHON)
+        assert recipe["kernel"] == (launch or ())
+    assert asked == [((1 << 14, 96), False, True, torch.float32, BF16, False),
+                     ((1 << 14, 96), True, True, None, None, True)]
+
+
+def test_kernel_fallbacks_match_pytorch():
+    """What kernel.cpp asks Python for where it cannot launch the kernel: the kernel's own
+    forward and backward (run under Triton's interpreter, in a child process)."""
+    interpreted.run("test_native", "_check_kernel_fallbacks")
+
+
+def _check_kernel_fallbacks():
+    x = torch.randn(24, 40)
+    w, b = 1 + 0.1 * torch.randn(40), 0.1 * torch.randn(40)
+    dy = torch.randn(24, 40)
+    for rms in (False, True):
+        bias = None if rms else b
+        y, stats = _native._kernel("kernel_fwd", [x.t().contiguous().t(), w, bias], [1e-5, 1.0, float(rms)])
+        assert stats.shape == ((24,) if rms else (2, 24))  # RMSNorm's rstd [M], as C++'s buffers
+        bias_code = -1.0 if rms else float(_native._CODES[b.dtype])
+        dx, dw, db = _native._kernel("kernel_bwd", [dy, x, w, stats], [float(rms), bias_code])
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bl = None if rms else b.clone().requires_grad_()
+        want = F.rms_norm(xl, (40,), wl, 1e-5) if rms else F.layer_norm(xl, (40,), wl, bl, 1e-5)
+        want.backward(dy)
+        torch.testing.assert_close(y, want)
+        torch.testing.assert_close(dx, xl.grad)
+        torch.testing.assert_close(dw, wl.grad)
+        assert db.numel() == 0 if rms else torch.allclose(db, bl.grad, atol=1e-5)
+    print("interpreted cases ok")
 
 
 def test_fallbacks_take_the_arguments_cpp_passes():

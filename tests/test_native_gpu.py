@@ -101,6 +101,85 @@ def test_padded_and_misaligned_inputs():
     _compare(lambda x: cudnorm.rms_norm(x[3:].view(300, 1024), (1024,)), [flat])  # 6-byte offset: copied
 
 
+def _serve_by_kernel(op, x, weight, bias):
+    """Make cudnorm's own kernel serve this call's signature, training and inference (the
+    decision a measurement may reach), under the default policy."""
+    from cudnorm import _candidates, _decisions
+
+    for training in (True, False):
+        sig = _candidates.signature(op, training, x, weight, bias, x.shape[-1])
+        _decisions._keep((sig, x.get_device(), False), "kernel", {"source": "test"})
+    _native.forget()
+
+
+@pytest.mark.parametrize("case", ["ln", "ln-fp32-weights", "ln-no-affine", "rms", "rms-no-weight", "misaligned",
+                                  "strided"])
+def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
+    """A signature decided for cudnorm's kernel: C++ launches the compiled kernel (kernel.cpp),
+    forward and backward, with the same results as Python's launch of the same kernel."""
+    from cudnorm import _norm_kernel
+
+    rows, n = 1 << 14, 96
+    rms = case.startswith("rms")
+    x = _bf16(rows, n)
+    if case == "misaligned":  # a 2-byte offset: C++ packs a copy for the kernel
+        x = _bf16(rows * n + 1)[1:].view(rows, n)
+    elif case == "strided":  # rows 128 apart
+        x = _bf16(rows, 128)[:, :n]
+    wdtype = torch.float32 if case == "ln-fp32-weights" else torch.bfloat16
+    w = None if case in ("ln-no-affine", "rms-no-weight") else (1 + 0.1 * torch.randn(n, device="cuda")).to(wdtype)
+    b = None if rms or w is None else (0.1 * torch.randn(n, device="cuda")).to(wdtype)
+    with cudnorm.config(policy="auto"):
+        _serve_by_kernel("rms_norm" if rms else "layer_norm", x, w, b)
+        fn = (lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-5)) if rms else \
+            (lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5))
+        inputs = [x, w] if rms else [x, w, b]
+        _grads(fn, inputs)  # resolves the recipes (Python compiles the kernel once)
+        # from here on Python must not launch it
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(_norm_kernel, name, lambda *a, **k: pytest.fail("launched from Python"))
+        (native_out, native_grads), hits = _served(lambda: _grads(fn, inputs))
+        with torch.no_grad():
+            y_infer = fn(*inputs)
+        monkeypatch.undo()
+        assert hits >= 2, f"the native path served {hits} calls from its table"
+        # the inference build of the kernel (no statistics written) may round 1 ulp apart
+        torch.testing.assert_close(y_infer, native_out[0], atol=0, rtol=2 ** -7)
+        with cudnorm.config(native="off"):  # Python's launch of the same kernel
+            python_out, python_grads = _grads(fn, inputs)
+    assert torch.equal(native_out[0], python_out[0])
+    for a, c in zip(native_grads, python_grads):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(a, c)
+
+
+def test_kernel_served_calls_capture_into_cuda_graphs():
+    x = _bf16(1 << 14, 128)
+    w = (1 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16)
+    with cudnorm.config(policy="auto"):
+        _serve_by_kernel("rms_norm", x, w, None)
+        static_x = x.clone().requires_grad_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                cudnorm.rms_norm(static_x, (128,), w).square().mean().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        static_x.grad = None
+        with torch.cuda.graph(graph):
+            loss = cudnorm.rms_norm(static_x, (128,), w).float().square().mean()
+            loss.backward()
+        fresh = _bf16(1 << 14, 128)
+        with torch.no_grad():
+            static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = F.rms_norm(fresh.float(), (128,), w.float()).square().mean()
+        assert loss.item() == pytest.approx(want.item(), rel=1e-2)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n", [2048, 16384])  # fused in the graph / PyTorch's add then the plain graph
 def test_fused_residual_add_matches_python_path(rms, n):

@@ -200,6 +200,21 @@ def _adaln_cases():
                               lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
     cases["sana"] = (lambda: sana.SanaModulatedNorm(d),
                      lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype), x(2, d)(dtype)), {}))
+    # the modulated RMSNorms (cudnorm.ada_rms_norm)
+    mochi = importlib.import_module("diffusers.models.transformers.transformer_mochi")
+    cases["lumina-zero"] = (lambda: normalization.LuminaRMSNormZero(d, 1e-5, True),
+                            lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
+    cases["lumina-continuous"] = (lambda: normalization.LuminaLayerNormContinuous(d, c, out_dim=8),
+                                  lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    cases["lumina-continuous-rms"] = (lambda: normalization.LuminaLayerNormContinuous(d, c, False, 1e-6,
+                                                                                      norm_type="rms_norm"),
+                                      lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    cases["mochi-zero"] = (lambda: mochi.MochiRMSNormZero(c, 4 * d),
+                           lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    cases["mochi-modulated"] = (lambda: mochi.MochiModulatedRMSNorm(1e-5),
+                                lambda dtype: ((x(2, 5, d)(dtype), (0.2 * torch.randn(2, 1, d)).tanh().to(dtype)), {}))
+    cases["mochi-modulated-plain"] = (lambda: mochi.MochiModulatedRMSNorm(1e-5),
+                                      lambda dtype: ((x(2, 5, d)(dtype),), {}))
     return cases
 
 
@@ -225,7 +240,7 @@ def _outputs(module, args, kwargs):
 ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-x", "continuous-defaults",
                "continuous-models", "continuous-affine-no-bias", "continuous-rms", "continuous-rms-plain",
                "adaln-timestep", "adaln-shared-affine", "adaln-chunk1", "adaln-chunk1-affine", "cogvideox",
-               "hunyuan-shift", "sana"]
+               "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)

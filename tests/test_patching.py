@@ -343,9 +343,8 @@ def _sana():
 
 
 def _lumina2():
-    """LuminaRMSNormZero (left: its RMSNorm is swapped, the modulation stays PyTorch's) and
-    diffusers' RMSNorms everywhere else; the output LuminaLayerNormContinuous is left, its
-    nn.LayerNorm swapped."""
+    """LuminaRMSNormZero (one adaptive RMSNorm each), diffusers' RMSNorms everywhere else, the
+    output LuminaLayerNormContinuous (one adaptive LayerNorm): nothing left."""
     diffusers = pytest.importorskip("diffusers")
     config = dict(sample_size=8, patch_size=2, in_channels=4, hidden_size=32, num_layers=2, num_refiner_layers=1,
                   num_attention_heads=2, num_kv_heads=1, multiple_of=16, cap_feat_dim=16, axes_dim_rope=(4, 6, 6),
@@ -353,11 +352,9 @@ def _lumina2():
     inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), timestep=torch.tensor([0.3, 0.5]),
                   encoder_hidden_states=torch.randn(B, 4, 16),
                   encoder_attention_mask=torch.ones(B, 4, dtype=torch.bool))
-    zero = f"{NORMALIZATION}.LuminaRMSNormZero"
     return Tiny(lambda: diffusers.Lumina2Transformer2DModel(**config), inputs, {
-        **_adaln("RMSNorm", "t5_rms_norm", 25), LAYER_NORMS: 1},
-        [("noise_refiner.0.norm1", zero), ("layers.0.norm1", zero), ("layers.1.norm1", zero),
-         ("norm_out", f"{NORMALIZATION}.LuminaLayerNormContinuous")], None)
+        **_adaln("RMSNorm", "t5_rms_norm", 25), LAYER_NORMS: 1, **_adaln("LuminaRMSNormZero", "lumina_rms_norm_zero", 3),
+        **_adaln("LuminaLayerNormContinuous", "lumina_layer_norm_continuous", 1)}, [], None)
 
 
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma2": _gemma2, "gpt2": _gpt2,

@@ -63,6 +63,7 @@ struct CudnormNode : Node {
 struct NormBackward : CudnormNode {
   SavedVariable x, weight, stats;
   bool rms = false;
+  bool kernel = false;  // the forward ran cudnorm's own kernel: its backward serves too (kernel.cpp)
   std::optional<at::ScalarType> bias_dtype;
   double eps = 0.0, offset = 0.0;
 
@@ -86,6 +87,8 @@ struct NormBackward : CudnormNode {
       dx = g[0];
       dw = g[1];
       if (!rms) db = g[2];
+    } else if (kernel && direct(dy, xs, wo, st)) {
+      std::tie(dx, dw, db) = kernel_backward(dy, xs, wo, st, rms, bias_dtype);
     } else if (direct(dy, xs, wo, st)) {  // the CUDA kernel itself: no dispatcher hop
       std::tie(dx, dw, db) = rms ? std::tuple_cat(cudnorm::rms_norm_bwd(dy, xs, wo, st, offset), std::make_tuple(Tensor()))
                                  : cudnorm::layer_norm_bwd(dy, xs, wo, st);
@@ -197,7 +200,7 @@ std::shared_ptr<T> make_node() {
 
 template <typename Forward>
 std::tuple<Tensor, Tensor> norm_with_node(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                                          double eps, bool rms, double offset, Forward forward) {
+                                          double eps, bool rms, double offset, Forward forward, bool kernel = false) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || requires_grad(weight) || requires_grad(bias));
   std::tuple<Tensor, Tensor> out;
   {
@@ -212,6 +215,7 @@ std::tuple<Tensor, Tensor> norm_with_node(const Tensor& x, const OptTensor& weig
     node->weight = SavedVariable(weight.value_or(Tensor()), false);
     node->stats = SavedVariable(std::get<1>(out), false);
     node->rms = rms;
+    node->kernel = kernel;
     if (!rms && defined(bias)) node->bias_dtype = bias->scalar_type();
     node->eps = eps;
     node->offset = offset;
@@ -323,19 +327,30 @@ std::tuple<Tensor, Tensor> ada_layer_norm_fwd_autograd(c10::DispatchKeySet ks, c
 
 // ---------------------------------------------------------------- the entry points' hot path
 
-Tensor layer_norm_train(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, bool training) {
-  auto out = norm_with_node(x, weight, bias, eps, false, 0.0, [&] {
-    auto [y, h, stats] = norm_forward(x, std::nullopt, weight, bias, eps, training, false, 0.0);
-    return std::make_tuple(y, training ? stats : Tensor());
-  });
+Tensor layer_norm_train(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, bool training,
+                        bool kernel) {
+  auto out = norm_with_node(
+      x, weight, bias, eps, false, 0.0,
+      [&] {
+        if (kernel) return kernel_forward(x, weight, bias, eps, training, false);
+        auto [y, h, stats] = norm_forward(x, std::nullopt, weight, bias, eps, training, false, 0.0);
+        return std::make_tuple(y, training ? stats : Tensor());
+      },
+      kernel);
   return std::get<0>(out);
 }
 
-Tensor rms_norm_train(const Tensor& x, const OptTensor& weight, double eps, bool training, double offset) {
-  auto out = norm_with_node(x, weight, std::nullopt, eps, true, offset, [&] {
-    auto [y, h, stats] = norm_forward(x, std::nullopt, weight, std::nullopt, eps, training, true, offset);
-    return std::make_tuple(y, training ? stats : Tensor());
-  });
+Tensor rms_norm_train(const Tensor& x, const OptTensor& weight, double eps, bool training, double offset,
+                      bool kernel) {
+  // the kernel takes no weight offset: the dispatcher never gives such a call to it (entry.cpp)
+  auto out = norm_with_node(
+      x, weight, std::nullopt, eps, true, offset,
+      [&] {
+        if (kernel) return kernel_forward(x, weight, std::nullopt, eps, training, true);
+        auto [y, h, stats] = norm_forward(x, std::nullopt, weight, std::nullopt, eps, training, true, offset);
+        return std::make_tuple(y, training ? stats : Tensor());
+      },
+      kernel);
   return std::get<0>(out);
 }
 

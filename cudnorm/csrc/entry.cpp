@@ -119,15 +119,12 @@ Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shap
   }
   const bool training =
       at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(weight) || requires_grad(bias));
-  switch (serve(false, training, input, n, weight, bias)) {
-    case Server::Torch: return at::layer_norm(input, shape, weight, bias, eps);
-    case Server::Python: return composite_py("layer_norm", {input, weight, bias}, {eps}, normalized_shape)[0];
-    case Server::Cudnn: break;
-  }
+  const Server server = serve(false, training, input, n, weight, bias);
+  if (server == Server::Torch) return at::layer_norm(input, shape, weight, bias, eps);
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n), b = flat_param(bias, flat, n);
-  Tensor y = layer_norm_train(x, w, b, eps, training);
+  Tensor y = layer_norm_train(x, w, b, eps, training, server == Server::Kernel);
   return flat ? y : y.view(input.sizes());
 }
 
@@ -142,18 +139,14 @@ Tensor rms_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape,
   }
   const bool training = at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(weight));
   const Server server = serve(true, training, input, n, weight, std::nullopt, weight_offset == 0.0);
-  switch (server) {
-    case Server::Torch:
-      return weight_offset != 0.0 ? gemma_rms_norm(input, shape, weight, e, weight_offset)
-                                  : at::rms_norm(input, shape, weight, e);
-    case Server::Python:
-      return composite_py("rms_norm", {input, weight}, rms_scalars(eps, weight_offset), normalized_shape)[0];
-    case Server::Cudnn: break;
+  if (server == Server::Torch) {
+    return weight_offset != 0.0 ? gemma_rms_norm(input, shape, weight, e, weight_offset)
+                                : at::rms_norm(input, shape, weight, e);
   }
   const bool flat = input.dim() == 2 && input.size(1) == n;
   const Tensor x = flat ? input : input.reshape({-1, n});
   const OptTensor w = flat_param(weight, flat, n);
-  Tensor y = rms_norm_train(x, w, e, training, weight_offset);
+  Tensor y = rms_norm_train(x, w, e, training, weight_offset, server == Server::Kernel);
   return flat ? y : y.view(input.sizes());
 }
 
@@ -175,7 +168,7 @@ std::tuple<Tensor, Tensor> add_layer_norm_entry(const Tensor& input, const Tenso
       Tensor h = input + residual;
       return {at::layer_norm(h, shape, weight, bias, eps), h};
     }
-    case Server::Python: {
+    case Server::Kernel: {  // Python's fused add runs the kernel (cudnorm._fused_add)
       auto out = composite_py("add_layer_norm", {input, residual, weight, bias}, {eps}, normalized_shape);
       return {out[0], out[1]};
     }
@@ -210,7 +203,7 @@ std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor&
                                    : at::rms_norm(h, shape, weight, e),
               h};
     }
-    case Server::Python: {
+    case Server::Kernel: {  // Python's fused add runs the kernel (cudnorm._fused_add)
       auto out = composite_py("add_rms_norm", {input, residual, weight}, rms_scalars(eps, weight_offset),
                               normalized_shape);
       return {out[0], out[1]};

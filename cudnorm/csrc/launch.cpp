@@ -65,7 +65,7 @@ void launch_kernel(const KernelLaunch& kernel, int64_t blocks, const std::vector
   const int status = driver_launch()(reinterpret_cast<void*>(kernel.function), static_cast<unsigned>(blocks), 1, 1,
                                      static_cast<unsigned>(kernel.threads), 1, 1,
                                      static_cast<unsigned>(kernel.shared), stream, params.data(), nullptr);
-  TORCH_CHECK(status == 0, "cudnorm: launching the fused AdaLN backward kernel failed (CUresult ", status, ")");
+  TORCH_CHECK(status == 0, "cudnorm: launching its compiled kernel failed (CUresult ", status, ")");
 }
 
 void launch_single(const Recipe& recipe, const std::vector<Slot>& slots) {

@@ -13,6 +13,7 @@
 //   launch.cpp    pointer slots, single / chunked / per-sample launches
 //   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
 //   ada.cpp       adaptive LayerNorm forward and backward
+//   kernel.cpp    cudnorm's own LayerNorm / RMSNorm kernels (Triton-compiled), launched by handle
 //   autograd.cpp  the autograd nodes of the forward ops
 //   entry.cpp     the public entry points (argument checks, kernel policy, flattening)
 //   register.cpp  every registration with the dispatcher
@@ -49,7 +50,14 @@ void execute(const Plan& plan, void* const* ptrs, int64_t count, void* workspace
 double execute_floor_us(int64_t id, const std::vector<int64_t>& ptrs, int64_t reps);
 
 // ---------------------------------------------------------------- recipes (recipes.cpp)
-enum class Kind : int64_t { NormForward = 0, NormBackward = 1, AdaForward = 2, AdaBackward = 3 };
+enum class Kind : int64_t {
+  NormForward = 0,
+  NormBackward = 1,
+  AdaForward = 2,
+  AdaBackward = 3,
+  KernelForward = 4,  // cudnorm's own norm kernels (kernel.cpp)
+  KernelBackward = 5,
+};
 
 // How a call signature is served. Python (cudnorm._native.resolve) decides; C++ executes.
 enum class Mode : int64_t {
@@ -58,17 +66,19 @@ enum class Mode : int64_t {
   PerSample = 2,  // plans[0] launched once per AdaLN sample
   Aten = 3,       // PyTorch's fused kernel (LayerNorm / RMSNorm forward)
   Python = 4,     // cudnorm's Python implementation (cases no plan serves)
-  Kernel = 5,     // cudnorm's own compiled kernel (the fused AdaLN backward), launched by handle
+  Kernel = 5,     // cudnorm's own compiled kernel (norm kernels, the fused AdaLN backward), launched by handle
 };
 
-// A kernel Python compiled (cudnorm._ada_kernel.native_launch) and C++ launches through the
-// CUDA driver: its function handle and launch configuration.
+// A kernel Python compiled (cudnorm._ada_kernel.native_launch, cudnorm._norm_kernel.native_launch)
+// and C++ launches through the CUDA driver: its function handle and launch configuration.
 struct KernelLaunch {
   int64_t function = 0;  // CUfunction, loaded in the device's primary context
   int64_t threads = 0;   // per block
   int64_t shared = 0;    // dynamic shared memory bytes
   int64_t chunks = 0;    // programs per AdaLN sample
   int64_t scratch = 0;   // trailing scratch-pointer parameters the compiler added (passed null)
+  int64_t programs = 0;  // norm kernels: the grid, for the recipe's row count
+  int64_t tiles = 0;     // norm kernels: tiles of rows the programs share
 };
 
 struct Launch {
@@ -105,8 +115,8 @@ void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool 
 
 // ---------------------------------------------------------------- decisions (decisions.cpp)
 // What serves an eager LayerNorm / RMSNorm call: cuDNN's plans (this library), PyTorch's op,
-// or cudnorm's Python implementation (which runs cudnorm's own kernel).
-enum class Server : int64_t { Cudnn = 0, Torch = 1, Python = 2 };
+// or cudnorm's own kernel (kernel.cpp).
+enum class Server : int64_t { Cudnn = 0, Torch = 1, Kernel = 2 };
 // The measured decision of the call's signature (cudnorm._decisions): from the table, else
 // decided by Python (which may time the candidates on `input`).
 Server server_for(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
@@ -158,6 +168,14 @@ bool device_supported(int64_t device);               // compute capability 8.0 o
 std::tuple<Tensor, Tensor, Tensor> norm_forward(const Tensor& x, const OptTensor& residual, const OptTensor& weight,
                                                 const OptTensor& bias, double eps, bool training, bool rms,
                                                 double offset);
+// (y, stats) of cudnorm's own kernel on x [M, N] (kernel.cpp): stats as norm_forward's
+std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
+                                          bool training, bool rms);
+// (dx, dweight, dbias) of it: dweight in weight's dtype, dbias in `bias_dtype` (none: no bias);
+// undefined where absent
+std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy, const Tensor& x, const OptTensor& weight,
+                                                   const Tensor& stats, bool rms,
+                                                   std::optional<at::ScalarType> bias_dtype);
 // (y, stats) of an AdaLN forward on x [B, S, D] (ada.cpp); stats undefined when not training
 std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                                        bool one_plus_scale, bool training);
@@ -198,9 +216,12 @@ std::tuple<Tensor, Tensor, Tensor> add_norm_fwd_autograd(c10::DispatchKeySet ks,
 std::tuple<Tensor, Tensor> ada_layer_norm_fwd_autograd(c10::DispatchKeySet ks, const Tensor& x, const Tensor& scale,
                                                        const Tensor& shift, double eps, bool one_plus_scale,
                                                        bool training);
-// the same with the CUDA kernel called directly (plain tensors)
-Tensor layer_norm_train(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, bool training);
-Tensor rms_norm_train(const Tensor& x, const OptTensor& weight, double eps, bool training, double offset);
+// the same with the CUDA kernel called directly (plain tensors); `kernel`: cudnorm's own kernel
+// (kernel.cpp) serves forward and backward instead of cuDNN's plans
+Tensor layer_norm_train(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps, bool training,
+                        bool kernel = false);
+Tensor rms_norm_train(const Tensor& x, const OptTensor& weight, double eps, bool training, double offset,
+                      bool kernel = false);
 std::tuple<Tensor, Tensor> add_norm_train(const Tensor& x, const Tensor& residual, const OptTensor& weight,
                                           const OptTensor& bias, double eps, bool training, bool rms, double offset);
 Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,

@@ -50,6 +50,8 @@ const char* kind_name(Kind kind) {
     case Kind::NormBackward: return "norm_bwd";
     case Kind::AdaForward: return "ada_fwd";
     case Kind::AdaBackward: return "ada_bwd";
+    case Kind::KernelForward: return "kernel_fwd";
+    case Kind::KernelBackward: return "kernel_bwd";
   }
   return "?";
 }
@@ -75,7 +77,7 @@ c10::OperatorHandle python_op(const char* name) {
 
 RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   // [cacheable, mode, param dtype, fused add, overlap, launches, (plan id, start, rows) per launch],
-  // then for a Kernel recipe: function, threads, shared bytes, chunks, scratch parameters
+  // then for a Kernel recipe: function, threads, shared bytes, chunks, scratch parameters, programs, tiles
   TORCH_CHECK(ints.size() >= 6, "cudnorm: malformed recipe from Python");
   auto recipe = std::make_shared<Recipe>();
   *cacheable = ints[0] != 0;
@@ -84,7 +86,7 @@ RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   recipe->fused_add = ints[3] != 0;
   recipe->overlap = ints[4];
   int64_t count = ints[5];
-  const int64_t extra = recipe->mode == Mode::Kernel ? 5 : 0;
+  const int64_t extra = recipe->mode == Mode::Kernel ? 7 : 0;
   TORCH_CHECK(static_cast<int64_t>(ints.size()) == 6 + 3 * count + extra, "cudnorm: malformed recipe from Python");
   for (int64_t k = 0; k < count; ++k) {
     Launch launch;
@@ -95,7 +97,7 @@ RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   }
   if (extra) {
     const int64_t* k = ints.data() + 6 + 3 * count;
-    recipe->kernel = KernelLaunch{k[0], k[1], k[2], k[3], k[4]};
+    recipe->kernel = KernelLaunch{k[0], k[1], k[2], k[3], k[4], k[5], k[6]};
   }
   return recipe;
 }

@@ -62,6 +62,21 @@ TORCH_LIBRARY(cudnorm_native, m) {
           cudnorm::configure(enabled, policy_auto, min_elements, measured);
         });
   m.def("counters() -> int[]", [] { return cudnorm::counters(); });
+  // cudnorm's own kernels as the native path launches them, for the dispatcher to time
+  // (cudnorm._candidates); absent outputs are empty tensors
+  m.def("kernel_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool training, bool rms) -> (Tensor, Tensor)",
+        [](const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+           double eps, bool training, bool rms) {
+          auto [y, stats] = cudnorm::kernel_forward(x, weight, bias, eps, training, rms);
+          return std::make_tuple(y, stats.defined() ? stats : x.new_empty({0}));
+        });
+  m.def("kernel_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor stats, bool rms, ScalarType? bias_dtype) -> "
+        "(Tensor, Tensor, Tensor)",
+        [](const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+           const at::Tensor& stats, bool rms, std::optional<at::ScalarType> bias_dtype) {
+          auto [dx, dw, db] = cudnorm::kernel_backward(dy, x, weight, stats, rms, bias_dtype);
+          return std::make_tuple(dx, dw.defined() ? dw : x.new_empty({0}), db.defined() ? db : x.new_empty({0}));
+        });
   m.def("execute_floor_us(int id, int[] ptrs, int reps) -> float",
         [](int64_t id, c10::IntArrayRef ptrs, int64_t reps) {
           return cudnorm::execute_floor_us(id, ptrs.vec(), reps);

@@ -1,0 +1,115 @@
+// cudnorm's own LayerNorm / RMSNorm kernels (cudnorm._norm_kernel), launched from C++: what
+// serves a call signature the measuring dispatcher gave to "kernel" (decisions.cpp).
+//
+// Python compiles the Triton kernel for a call signature (cudnorm._norm_kernel.native_launch,
+// through the recipe of Kind::KernelForward / KernelBackward) and C++ launches it through the
+// CUDA driver: launched from Python, a training call paid 0.3-0.5 ms more host time, which
+// decided host-bound steps against the kernel. Same buffers as the cuDNN path (norm.cpp):
+// LayerNorm's statistics fp32 [2, ceil4(M)] (mean, rstd), RMSNorm's rstd [M], so either
+// backward reads either forward's statistics. Where the compiled kernel cannot take a call
+// (Mode::Python: Python's launch compiles for it) Python launches the same kernel.
+#include "native.h"
+
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+#include <limits>
+
+namespace cudnorm {
+
+namespace {
+
+const auto kF32 = at::kFloat;
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool defined(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+int32_t float_bits(double value) {
+  const float f = static_cast<float>(value);
+  int32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+bool fits_int32(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x_in, const OptTensor& weight, const OptTensor& bias,
+                                          double eps, bool training, bool rms) {
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const OptTensor b = rms ? OptTensor() : bias;
+  auto python = [&] {
+    auto out = kernel_py("kernel_fwd", {x_in, weight, b}, {eps, double(training), double(rms)});
+    return std::make_tuple(out[0], training ? out[1] : Tensor());
+  };
+  if (!settings().enabled || x_in.numel() == 0) return python();
+  const Tensor x = packed(x_in);  // the kernel reads contiguous rows from a 16-byte aligned start
+  RecipeRef recipe = recipe_for(Kind::KernelForward, x, {rms, training, dtype_code(weight), dtype_code(b)}, {});
+  const int64_t m = x.size(0);
+  if (recipe->mode != Mode::Kernel || !fits_int32(m)) return python();
+  const Tensor w = defined(weight) ? packed(*weight) : x;  // an absent parameter: x stands in, unread
+  const Tensor bb = defined(b) ? packed(*b) : x;
+  Tensor y = at::empty_like(x);
+  Tensor stats;
+  const void *mean = y.data_ptr(), *rstd = y.data_ptr();  // not training: unread
+  if (training) {
+    stats = rms ? at::empty({m}, x.options().dtype(kF32)) : stats_buffer(m, 2, x.device());
+    mean = stats.data_ptr();
+    rstd = rms ? mean : static_cast<const char*>(mean) + 4 * stats.stride(0);
+  }
+  const KernelLaunch& k = recipe->kernel;
+  // x, weight, bias, y, mean, rstd; rows, tiles, eps, seq (1: not modulated)
+  launch_kernel(k, k.programs, {x.data_ptr(), w.data_ptr(), bb.data_ptr(), y.data_ptr(), mean, rstd},
+                {static_cast<int32_t>(m), static_cast<int32_t>(k.tiles), float_bits(eps), 1});
+  return {y, stats};
+}
+
+std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy_in, const Tensor& x_in, const OptTensor& weight,
+                                                   const Tensor& stats, bool rms,
+                                                   std::optional<at::ScalarType> bias_dtype) {
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const bool has_w = defined(weight), has_bias = bias_dtype.has_value();
+  auto python = [&] {
+    auto out = kernel_py("kernel_bwd", {dy_in, x_in, weight, stats},
+                         {double(rms), has_bias ? double(static_cast<int64_t>(*bias_dtype)) : -1.0});
+    return std::make_tuple(out[0], has_w ? out[1] : Tensor(), has_bias ? out[2] : Tensor());
+  };
+  if (!settings().enabled || x_in.numel() == 0) return python();
+  const Tensor x = packed(x_in.reshape({-1, x_in.size(-1)}));
+  const int64_t m = x.size(0), n = x.size(1);
+  const char* mean = static_cast<const char*>(stats.data_ptr());
+  const char* rstd = rms ? mean : mean + 4 * stats.stride(0);
+  // statistics made by Python's launch ([2, M] rows) may start a row unaligned
+  if (!aligned16(mean) || !aligned16(rstd) || !fits_int32(m)) return python();
+  // the recipe's weight code: absent, or the weight's dtype; bias: present or not
+  RecipeRef recipe = recipe_for(Kind::KernelBackward, x, {rms, dtype_code(weight), has_bias}, {});
+  if (recipe->mode != Mode::Kernel) return python();
+  const KernelLaunch& k = recipe->kernel;
+  const Tensor dy = packed(dy_in.reshape({m, n}));
+  const Tensor w = has_w ? packed(*weight) : x;
+  Tensor dx = at::empty_like(x);
+  // one partial row per program for each of dweight and dbias, the second starting aligned
+  const int64_t sums = int64_t(has_w) + int64_t(has_bias), span = (k.programs * n + 3) / 4 * 4;
+  Tensor partial = at::empty({std::max<int64_t>(sums, 1), span}, x.options().dtype(kF32));
+  const char* dw_partial = static_cast<const char*>(partial.data_ptr());
+  const char* db_partial = dw_partial + (sums == 2 ? 4 * span : 0);
+  // x, dy, weight, mean, rstd, dx, dweight partial, dbias partial; rows, tiles
+  launch_kernel(k, k.programs, {x.data_ptr(), dy.data_ptr(), w.data_ptr(), mean, rstd, dx.data_ptr(), dw_partial,
+                                db_partial},
+                {static_cast<int32_t>(m), static_cast<int32_t>(k.tiles)});
+  Tensor dw, db;
+  if (sums > 0) {
+    // [sums, programs, N] summed over programs in a fixed order (deterministic), rounded once
+    // to the parameters' dtype: one kernel for both where weight and bias share it
+    Tensor total = partial.narrow(1, 0, k.programs * n).view({sums, k.programs, n}).sum(1);
+    const auto wdtype = has_w ? weight->scalar_type() : kF32;
+    if (sums == 2 && wdtype == *bias_dtype && wdtype != kF32) total = total.to(wdtype);
+    if (has_w) dw = total[0].scalar_type() == wdtype ? total[0] : total[0].to(wdtype);
+    if (has_bias) db = total[sums - 1].scalar_type() == *bias_dtype ? total[sums - 1] : total[sums - 1].to(*bias_dtype);
+  }
+  return {dx.view(x_in.sizes()), dw, db};
+}
+
+}  // namespace cudnorm
