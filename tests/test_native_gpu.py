@@ -113,7 +113,7 @@ def _serve_by_kernel(op, x, weight, bias):
 
 
 @pytest.mark.parametrize("case", ["ln", "ln-fp32-weights", "ln-no-affine", "rms", "rms-no-weight", "misaligned",
-                                  "strided"])
+                                  "strided", "ln-residual", "rms-residual"])
 def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
     """A signature decided for cudnorm's kernel: C++ launches the compiled kernel (kernel.cpp),
     forward and backward, with the same results as Python's launch of the same kernel."""
@@ -134,6 +134,11 @@ def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
         fn = (lambda x, w: cudnorm.rms_norm(x, (n,), w, 1e-5)) if rms else \
             (lambda x, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5))
         inputs = [x, w] if rms else [x, w, b]
+        if case.endswith("residual"):  # PyTorch's add, then the kernel on the sum: (y, h)
+            r = _bf16(rows, n)
+            fn = (lambda x, r, w: cudnorm.rms_norm(x, (n,), w, 1e-5, residual=r)) if rms else \
+                (lambda x, r, w, b: cudnorm.layer_norm(x, (n,), w, b, 1e-5, residual=r))
+            inputs = [x, r, *inputs[1:]]
         _grads(fn, inputs)  # resolves the recipes (Python compiles the kernel once)
         # from here on Python must not launch it
         for name in ("forward", "backward"):
@@ -141,6 +146,7 @@ def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
         (native_out, native_grads), hits = _served(lambda: _grads(fn, inputs))
         with torch.no_grad():
             y_infer = fn(*inputs)
+        y_infer = y_infer[0] if isinstance(y_infer, tuple) else y_infer
         monkeypatch.undo()
         assert hits >= 2, f"the native path served {hits} calls from its table"
         # the inference build of the kernel (no statistics written) may round 1 ulp apart

@@ -168,9 +168,12 @@ std::tuple<Tensor, Tensor> add_layer_norm_entry(const Tensor& input, const Tenso
       Tensor h = input + residual;
       return {at::layer_norm(h, shape, weight, bias, eps), h};
     }
-    case Server::Kernel: {  // Python's fused add runs the kernel (cudnorm._fused_add)
-      auto out = composite_py("add_layer_norm", {input, residual, weight, bias}, {eps}, normalized_shape);
-      return {out[0], out[1]};
+    case Server::Kernel: {  // PyTorch's add, then cudnorm's kernel on h (cudnorm._fused_add.call)
+      const bool flat = input.dim() == 2 && input.size(1) == n;
+      Tensor h = input + residual;
+      const Tensor h2 = flat ? h : h.reshape({-1, n});
+      Tensor y = layer_norm_train(h2, flat_param(weight, flat, n), flat_param(bias, flat, n), eps, training, true);
+      return {flat ? y : y.view(input.sizes()), h};
     }
     case Server::Cudnn: break;
   }
@@ -203,10 +206,12 @@ std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor&
                                    : at::rms_norm(h, shape, weight, e),
               h};
     }
-    case Server::Kernel: {  // Python's fused add runs the kernel (cudnorm._fused_add)
-      auto out = composite_py("add_rms_norm", {input, residual, weight}, rms_scalars(eps, weight_offset),
-                              normalized_shape);
-      return {out[0], out[1]};
+    case Server::Kernel: {  // PyTorch's add, then cudnorm's kernel on h (never with an offset: serve())
+      const bool flat = input.dim() == 2 && input.size(1) == n;
+      Tensor h = input + residual;
+      const Tensor h2 = flat ? h : h.reshape({-1, n});
+      Tensor y = rms_norm_train(h2, flat_param(weight, flat, n), e, training, 0.0, true);
+      return {flat ? y : y.view(input.sizes()), h};
     }
     case Server::Cudnn: break;
   }
