@@ -104,10 +104,12 @@ def forward_params(x: torch.Tensor, weight, bias, *, has_bias: bool):
     n = x.shape[-1]
     round_weight = weight is not None and weight.dtype is not dtype
     round_bias = has_bias and bias is not None and bias.dtype is not dtype
-    if round_weight or round_bias:
-        scale, shift = _rounded(x, n, dtype, weight if round_weight else None, bias if round_bias else None)
-    else:
-        scale, shift = weight, bias
+    scale, shift = weight, bias
+    if round_weight or round_bias:  # only those of another dtype; the other one is read as it is
+        rounded_weight, rounded_bias = _rounded(x, n, dtype, weight if round_weight else None,
+                                                bias if round_bias else None)
+        scale = rounded_weight if round_weight else weight
+        shift = rounded_bias if round_bias else bias
     if scale is None:
         scale = constant(1.0, n, dtype, x.device)
     if has_bias and shift is None:

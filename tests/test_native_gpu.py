@@ -150,10 +150,13 @@ def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
         monkeypatch.undo()
         assert hits >= 2, f"the native path served {hits} calls from its table"
         # the inference build of the kernel (no statistics written) may round 1 ulp apart
-        torch.testing.assert_close(y_infer, native_out[0], atol=0, rtol=2 ** -7)
-        with cudnorm.config(native="off"):  # Python's launch of the same kernel
+        torch.testing.assert_close(y_infer, native_out[0], atol=1e-5, rtol=2 ** -7)
+        with cudnorm.config(native="off"):  # Python's launch of the same kernel, compiled for its own call
             python_out, python_grads = _grads(fn, inputs)
-    assert torch.equal(native_out[0], python_out[0])
+    # two compilations of one kernel (C++'s for aligned pointers, Python's for the call's) may
+    # round an element 1 ulp apart
+    for a, c in zip(native_out, python_out):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=2 ** -7)
     for a, c in zip(native_grads, python_grads):
         assert (a is None) == (c is None)
         if a is not None:

@@ -56,7 +56,10 @@ json.dump({"plans": plans, "builds": info.builds, "store_loads": info.store_load
 
 def _run(store: Path, out: Path, **env) -> dict:
     out.mkdir()
-    environ = {**os.environ, "CUDNORM_PLAN_STORE_DIR": str(store), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **env}
+    # policy "cudnn": every call runs its cuDNN plan (under "auto" a process that finds a stored
+    # decision for PyTorch's op or cudnorm's kernel loads no plan for that call)
+    environ = {**os.environ, "CUDNORM_PLAN_STORE_DIR": str(store), "CUDNORM_POLICY": "cudnn",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **env}
     environ.pop("CUDNORM_PLAN_STORE", None)
     proc = subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", CHILD, str(out)], env=environ,
                           capture_output=True, text=True, timeout=600)

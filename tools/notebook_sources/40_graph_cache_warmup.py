@@ -147,14 +147,16 @@ for name, result in (("cold start", cold), ("after warmup", warm)):
 # ## Check
 #
 # After warmup the job builds nothing: every graph it needs was recorded and stored. On a
-# GPU that means the cold start built every recorded graph and the warm start loaded them;
-# on the CPU both counts are zero.
+# GPU that means the cold start built every recorded graph and the warm start loaded those its
+# calls run (a call whose measured decision, stored beside the plans, is PyTorch's op or
+# cudnorm's own kernel loads none); on the CPU both counts are zero.
 
 # %%
 assert warm["builds"] == 0, warm
 assert cold["builds"] + cold["store_loads"] == len(recording.specs), (cold, len(recording.specs))
-assert warm["store_loads"] == len(recording.specs), (warm, len(recording.specs))
-print("warm start built nothing; it loaded all", len(recording.specs), "graph(s) from the store")
+assert warm["store_loads"] <= len(recording.specs), (warm, len(recording.specs))
+print(f"warm start built nothing; it loaded {warm['store_loads']} of the {len(recording.specs)} recorded "
+      "graph(s) from the store")
 
 # %%
 import shutil  # noqa: E402
