@@ -119,7 +119,9 @@ def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
     forward and backward, with the same results as Python's launch of the same kernel."""
     from cudnorm import _norm_kernel
 
-    rows, n = 1 << 14, 96
+    # 2^24 elements and more: the Python launch path (native="off") also leaves such calls to the
+    # dispatcher's decision, so both paths run the kernel
+    rows, n = 1 << 18, 96
     rms = case.startswith("rms")
     x = _bf16(rows, n)
     if case == "misaligned":  # a 2-byte offset: C++ packs a copy for the kernel
@@ -149,18 +151,18 @@ def test_kernel_served_calls_launch_from_cpp(case, monkeypatch):
         y_infer = y_infer[0] if isinstance(y_infer, tuple) else y_infer
         monkeypatch.undo()
         assert hits >= 2, f"the native path served {hits} calls from its table"
-        # the inference build of the kernel (no statistics written) may round 1 ulp apart
-        torch.testing.assert_close(y_infer, native_out[0], atol=1e-5, rtol=2 ** -7)
+        # the inference build of the kernel (no statistics written) may round an element apart
+        torch.testing.assert_close(y_infer, native_out[0], msg=lambda m: f"inference forward: {m}")
         with cudnorm.config(native="off"):  # Python's launch of the same kernel, compiled for its own call
             python_out, python_grads = _grads(fn, inputs)
     # two compilations of one kernel (C++'s for aligned pointers, Python's for the call's) may
-    # round an element 1 ulp apart
-    for a, c in zip(native_out, python_out):
-        torch.testing.assert_close(a, c, atol=1e-5, rtol=2 ** -7)
-    for a, c in zip(native_grads, python_grads):
+    # round an element apart
+    for k, (a, c) in enumerate(zip(native_out, python_out)):
+        torch.testing.assert_close(a, c, msg=lambda m, k=k: f"output {k}: {m}")
+    for k, (a, c) in enumerate(zip(native_grads, python_grads)):
         assert (a is None) == (c is None)
         if a is not None:
-            torch.testing.assert_close(a, c)
+            torch.testing.assert_close(a, c, msg=lambda m, k=k: f"gradient of input {k}: {m}")
 
 
 def test_kernel_served_calls_capture_into_cuda_graphs():
