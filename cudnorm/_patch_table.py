@@ -126,6 +126,14 @@ CLASSES = {
     "lumina_layer_norm_continuous": (f"{_NORMALIZATION}.LuminaLayerNormContinuous",),
     "mochi_rms_norm_zero": ("diffusers.models.transformers.transformer_mochi.MochiRMSNormZero",),
     "mochi_modulated_rms_norm": ("diffusers.models.transformers.transformer_mochi.MochiModulatedRMSNorm",),
+    # Chroma's pruned AdaLN (the modulation comes precomputed) and CogView4's (no SiLU)
+    "chroma_adaln_zero_pruned": ("diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormZeroPruned",),
+    "chroma_adaln_zero_single_pruned": (
+        "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormZeroSinglePruned",),
+    "chroma_adaln_continuous_pruned": (
+        "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormContinuousPruned",),
+    "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),
+    "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",),
 }
 
 #: formula name -> the classes of it that the tests run against cudnorm, one for each way the

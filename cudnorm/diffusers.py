@@ -521,6 +521,77 @@ def _sana_modulated_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
     return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
 
 
+def _modulate_any(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` for ``[B, D]`` chunks and a LayerNorm
+    (one fused op: :func:`_modulate`) or diffusers' RMSNorm (:func:`_modulated_rms_norm`)."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return _modulate(norm, x, scale, shift)
+    return _modulated_rms_norm(x, scale[:, None, :], shift[:, None, :], norm)
+
+
+def _chroma_adaln_zero_pruned(self, x: torch.Tensor, timestep: torch.Tensor | None = None,
+                              class_labels: torch.Tensor | None = None, hidden_dtype: torch.dtype | None = None,
+                              emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """diffusers' ``ChromaAdaLayerNormZeroPruned.forward`` on cudnorm: ``emb [B, 6, D]`` (Chroma's
+    pruned modulation, no projection here) gives the six chunks; ``norm(x) * (1 + scale_msa) +
+    shift_msa`` of ``x [B, S, D]`` is one :func:`ada_layer_norm` call. Returns ``(modulated x,
+    gate_msa, shift_mlp, scale_mlp, gate_mlp)``."""
+    cls = "ChromaAdaLayerNormZeroPruned"
+    _input(cls, "x", x)
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    chunks = _input(cls, "emb", emb).flatten(1, 2).chunk(6, dim=1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+    return _modulate(self.norm, x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _chroma_adaln_zero_single_pruned(self, x: torch.Tensor, emb: torch.Tensor | None = None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``ChromaAdaLayerNormZeroSinglePruned.forward`` on cudnorm: ``emb [B, 3, D]``;
+    one :func:`ada_layer_norm` call. Returns ``(modulated x, gate_msa)``."""
+    cls = "ChromaAdaLayerNormZeroSinglePruned"
+    _input(cls, "x", x)
+    shift_msa, scale_msa, gate_msa = _input(cls, "emb", emb).flatten(1, 2).chunk(3, dim=1)
+    return _modulate(self.norm, x, scale_msa, shift_msa), gate_msa
+
+
+def _chroma_adaln_continuous_pruned(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``ChromaAdaLayerNormContinuousPruned.forward`` (Chroma's output norm) on cudnorm:
+    ``(shift, scale)`` from ``emb [B, 2, D]`` in ``x``'s dtype; a LayerNorm is one
+    :func:`ada_layer_norm` call (its weight and bias folded in), an RMSNorm :func:`rms_norm`
+    and the modulation in PyTorch."""
+    cls = "ChromaAdaLayerNormContinuousPruned"
+    _input(cls, "x", x)
+    shift, scale = _input(cls, "emb", emb).flatten(1, 2).to(x.dtype).chunk(2, dim=1)
+    return _modulate_any(self.norm, x, scale, shift)
+
+
+def _cogview4_adaln_zero(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                         temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """diffusers' ``CogView4AdaLayerNormZero.forward`` on cudnorm: ``linear(temb)`` (no SiLU) gives
+    twelve ``[B, D]`` chunks; the image tokens ``hidden_states [B, S, D]`` and the text tokens
+    ``encoder_hidden_states [B, T, D]`` are one :func:`ada_layer_norm` call each. Returns
+    diffusers' ten outputs in its order."""
+    cls = "CogView4AdaLayerNormZero"
+    _input(cls, "hidden_states", hidden_states)
+    _input(cls, "encoder_hidden_states", encoder_hidden_states)
+    (shift_msa, c_shift_msa, scale_msa, c_scale_msa, gate_msa, c_gate_msa, shift_mlp, c_shift_mlp, scale_mlp,
+     c_scale_mlp, gate_mlp, c_gate_mlp) = self.linear(_input(cls, "temb", temb)).chunk(12, dim=1)
+    return (_modulate(self.norm, hidden_states, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+            _modulate(self.norm_context, encoder_hidden_states, c_scale_msa, c_shift_msa), c_gate_msa, c_shift_mlp,
+            c_scale_mlp, c_gate_mlp)
+
+
+def _cogview4_adaln_continuous(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``CogView4AdaLayerNormContinuous.forward`` (CogView4's output norm) on cudnorm:
+    ``(scale, shift) = linear(conditioning_embedding)`` (no SiLU), then as
+    :func:`_chroma_adaln_continuous_pruned`."""
+    cls = "CogView4AdaLayerNormContinuous"
+    _input(cls, "x", x)
+    scale, shift = self.linear(_input(cls, "conditioning_embedding", conditioning_embedding).to(x.dtype)).chunk(2, 1)
+    return _modulate_any(self.norm, x, scale, shift)
+
+
 # ---------------------------------------------------------------- modulated RMSNorms
 
 def _ada_rms_dtype(x: torch.Tensor, scale: torch.Tensor) -> torch.dtype | None:
@@ -631,6 +702,8 @@ class Fused(NamedTuple):
 
 _NORMALIZATION = "diffusers.models.normalization"
 _MOCHI = "diffusers.models.transformers.transformer_mochi"
+_CHROMA = "diffusers.models.transformers.transformer_chroma"
+_COGVIEW4 = "diffusers.models.transformers.transformer_cogview4"
 _ADALN = frozenset(("silu", "linear", "norm"))
 #: diffusers class (module-qualified name) -> how it runs on cudnorm (:func:`cudnorm.patch`)
 FUSED = {
@@ -649,6 +722,14 @@ FUSED = {
                                                          frozenset(("silu", "linear_1", "norm", "linear_2")),
                                                          ("layer_norm", "rms_norm")),
     f"{_MOCHI}.MochiRMSNormZero": Fused(_mochi_rms_norm_zero, _ADALN, ("rms_norm",)),
+    f"{_CHROMA}.ChromaAdaLayerNormZeroPruned": Fused(_chroma_adaln_zero_pruned, frozenset(("emb", "norm"))),
+    f"{_CHROMA}.ChromaAdaLayerNormZeroSinglePruned": Fused(_chroma_adaln_zero_single_pruned, frozenset(("norm",))),
+    f"{_CHROMA}.ChromaAdaLayerNormContinuousPruned": Fused(_chroma_adaln_continuous_pruned, frozenset(("norm",)),
+                                                           ("layer_norm", "rms_norm")),
+    f"{_COGVIEW4}.CogView4AdaLayerNormZero": Fused(_cogview4_adaln_zero,
+                                                   frozenset(("norm", "norm_context", "linear"))),
+    f"{_COGVIEW4}.CogView4AdaLayerNormContinuous": Fused(_cogview4_adaln_continuous, frozenset(("norm", "linear")),
+                                                         ("layer_norm", "rms_norm")),
     f"{_MOCHI}.MochiModulatedRMSNorm": Fused(_mochi_modulated_rms_norm, frozenset(("norm",)), ("rms_norm",)),
 }
 # the classes of this file, by the name of the diffusers class each mirrors
@@ -679,9 +760,9 @@ def why_not_fused(module: torch.nn.Module, fused: Fused) -> str | None:
     children = dict(module.named_children())
     if not set(children) <= fused.children or "norm" not in children:
         return f"children {sorted(children)} where its class builds {sorted(fused.children)}"
-    norm = children["norm"]
-    if _norm_kind(norm) not in fused.norms:
-        return f"its norm is a {qualified_name(type(norm))}, which cudnorm does not fuse into it"
+    for name in sorted(n for n in children if n.startswith("norm")):  # "norm", CogView4's "norm_context"
+        if _norm_kind(children[name]) not in fused.norms:
+            return (f"its {name} is a {qualified_name(type(children[name]))}, which cudnorm does not fuse into it")
     if getattr(module, "chunk_dim", 0) not in (0, 1):  # diffusers' AdaLayerNorm
         return f"chunk_dim={module.chunk_dim!r}, where diffusers' AdaLayerNorm takes 0 or 1"
     return None

@@ -209,6 +209,21 @@ def _adaln_cases():
     cases["lumina-continuous-rms"] = (lambda: normalization.LuminaLayerNormContinuous(d, c, False, 1e-6,
                                                                                       norm_type="rms_norm"),
                                       lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    chroma = importlib.import_module("diffusers.models.transformers.transformer_chroma")
+    cogview4 = importlib.import_module("diffusers.models.transformers.transformer_cogview4")
+    cases["chroma-zero"] = (lambda: chroma.ChromaAdaLayerNormZeroPruned(d),
+                            lambda dtype: ((x(2, 5, d)(dtype),), {"emb": (0.2 * torch.randn(2, 6, d)).to(dtype)}))
+    cases["chroma-zero-single"] = (lambda: chroma.ChromaAdaLayerNormZeroSinglePruned(d),
+                                   lambda dtype: ((x(2, 5, d)(dtype), (0.2 * torch.randn(2, 3, d)).to(dtype)), {}))
+    cases["chroma-continuous"] = (lambda: chroma.ChromaAdaLayerNormContinuousPruned(d, c, False, 1e-6),
+                                  lambda dtype: ((x(2, 5, d)(dtype), (0.2 * torch.randn(2, 2, d)).to(dtype)), {}))
+    cases["chroma-continuous-rms"] = (lambda: chroma.ChromaAdaLayerNormContinuousPruned(d, c, True, 1e-6,
+                                                                                        norm_type="rms_norm"),
+                                      lambda dtype: ((x(2, 5, d)(dtype), (0.2 * torch.randn(2, 2, d)).to(dtype)), {}))
+    cases["cogview4-zero"] = (lambda: cogview4.CogView4AdaLayerNormZero(c, d),
+                              lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
+    cases["cogview4-continuous"] = (lambda: cogview4.CogView4AdaLayerNormContinuous(d, c, False, 1e-6),
+                                    lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
     cases["mochi-zero"] = (lambda: mochi.MochiRMSNormZero(c, 4 * d),
                            lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
     cases["mochi-modulated"] = (lambda: mochi.MochiModulatedRMSNorm(1e-5),
@@ -240,7 +255,9 @@ def _outputs(module, args, kwargs):
 ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-x", "continuous-defaults",
                "continuous-models", "continuous-affine-no-bias", "continuous-rms", "continuous-rms-plain",
                "adaln-timestep", "adaln-shared-affine", "adaln-chunk1", "adaln-chunk1-affine", "cogvideox",
-               "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain"]
+               "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain",
+               "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
+               "cogview4-continuous"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)
