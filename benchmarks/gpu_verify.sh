@@ -9,7 +9,10 @@
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own under OUT/sweep.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
-# the tests marked `alone` run after them, in one process.
+# the tests marked `alone` run after them, in one process. TESTS_SHARD=i/n: only every n-th test
+# from the i-th (from 0), to spread the suite over n GPUs, one invocation per GPU with its own
+# OUT and CUDA_VISIBLE_DEVICES (the `alone` tests in shard 0); a 230 s LIMIT cut the whole suite
+# on one GPU to 719 of its tests (4-GPU H200, beside 3 other jobs).
 # notebooks: needs the dev extra's nbformat, nbclient and ipykernel importable (else every notebook test fails, saying so).
 # notebooks-store: executes every notebook on this GPU and writes them with their outputs to OUT/notebooks/; copy
 #   them into notebooks/ and commit (tools/make_notebooks.py --check then accepts them until a source changes).
@@ -54,6 +57,10 @@ for stage in "$@"; do
     tests-parallel)
       python3 -m pytest -q --collect-only -m "gpu and not alone" -p no:cacheprovider tests 2>/dev/null | grep "::" \
         | grep -v test_distributed > "$out/gpu_ids.txt"
+      if [ -n "${TESTS_SHARD:-}" ]; then  # i/n: every n-th test from the i-th (one GPU each with --spread)
+        awk -v s="${TESTS_SHARD%/*}" -v n="${TESTS_SHARD#*/}" '(NR - 1) % n == s' "$out/gpu_ids.txt" > "$out/shard_ids.txt"
+        mv "$out/shard_ids.txt" "$out/gpu_ids.txt"
+      fi
       n=${PARALLEL:-6}
       for i in $(seq 0 $((n - 1))); do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$out/gpu_ids.txt" > "$out/ids_$i"
@@ -63,8 +70,11 @@ for stage in "$@"; do
       done
       wait
       # tests marked `alone` measure the whole GPU's memory: after the parts, with the GPU to themselves
-      CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
-        -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
+      # (in the first shard only)
+      if [ "${TESTS_SHARD:-0/1}" = "0/${TESTS_SHARD#*/}" ] || [ -z "${TESTS_SHARD:-}" ]; then
+        CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+          -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
+      fi
       tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log
       # per-test outcomes of every part in one file (the XMLs are many files; few come back)
       python3 - "$out" <<'PY' > "$out/outcomes.txt"

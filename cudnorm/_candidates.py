@@ -222,6 +222,10 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
 # to a candidate would change what its measurement finds, so decisions stored by an earlier
 # revision are measured again (2: cudnorm's kernel launched from C++ on the native path).
 REVISION = 2
+# candidate -> the revision in which it last changed what its measurement finds: a prior written
+# at an earlier revision (``cudnorm/priors/``, key ``candidates_revision``, 1 where absent) does
+# not stand for it (its kernel timings there include the Python launch's host time)
+CHANGED_IN = {"kernel": 2}
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has
 # to beat), then cuDNN, then cudnorm's own kernel.

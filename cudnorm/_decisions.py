@@ -180,11 +180,18 @@ def gpu_slug(name: str) -> str:
 
 @functools.cache
 def _prior_table(slug: str) -> dict:
+    """The prior's cells for GPU ``slug``, without the timings of candidates that changed since
+    the prior was written (:data:`cudnorm._candidates.CHANGED_IN`): those are measured."""
     path = PRIORS / f"{slug}.json"
     try:
-        return json.loads(path.read_text()).get("cells", {})
-    except (OSError, ValueError, AttributeError):
+        document = json.loads(path.read_text())
+        cells, revision = document.get("cells", {}), int(document.get("candidates_revision", 1))
+    except (OSError, ValueError, AttributeError, TypeError):
         return {}
+    stale = {name for name, changed in _candidates.CHANGED_IN.items() if changed > revision}
+    if not stale:
+        return cells
+    return {key: {name: ms for name, ms in cell.items() if name not in stale} for key, cell in cells.items()}
 
 
 def prior_times(sig: Signature, device: int) -> dict[str, float]:

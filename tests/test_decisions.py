@@ -171,6 +171,23 @@ def test_prior_file_lookup(monkeypatch, tmp_path):
     _decisions._prior_table.cache_clear()
 
 
+def test_prior_timings_of_changed_candidates_are_not_used(monkeypatch, tmp_path):
+    """A prior written before cudnorm's kernel launched from C++ (no ``candidates_revision``)
+    timed it with the Python launch's host time: its kernel timings must not drop it."""
+    sig = _sig(cols=96, rows_bucket=20)
+    cell = {"torch": 1.0, "cudnn": 9.0, "kernel": 4.0}
+    monkeypatch.setattr(_decisions, "PRIORS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU 80GB")
+    for revision, want in ((None, {"torch": 1.0, "cudnn": 9.0}), (_candidates.REVISION, cell)):
+        document = {"gpu": "Test GPU 80GB", "cells": {sig.key(): cell}}
+        if revision is not None:
+            document["candidates_revision"] = revision
+        (tmp_path / "test-gpu-80gb.json").write_text(json.dumps(document))
+        _decisions._prior_table.cache_clear()
+        assert _decisions.prior_times(sig, 0) == want, revision
+    _decisions._prior_table.cache_clear()
+
+
 def test_cpu_calls_are_not_measured(monkeypatch):
     monkeypatch.setattr(_decisions, "server", lambda *a: pytest.fail("a CPU call was measured"))
     x, w, b = _input()

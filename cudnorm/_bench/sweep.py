@@ -513,7 +513,8 @@ def run(all_cells: list[Cell], names: list[str], device: str, out: Path, command
 
 def prior_document(prior: dict, command: str) -> dict:
     return {"gpu": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
-            "torch": torch.__version__, "command": command, "cells": prior}
+            "torch": torch.__version__, "command": command, "candidates_revision": _candidates.REVISION,
+            "cells": prior}
 
 
 # -- reading the results -------------------------------------------------------------------------
