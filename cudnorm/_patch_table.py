@@ -170,6 +170,16 @@ LEFT = {
     f"{_NORMALIZATION}.AdaLayerNormSingle": (
         "normalises nothing: PixArt's timestep embedding and modulation linear (the blocks' nn.LayerNorms "
         "it modulates are swapped)"),
+    **dict.fromkeys((
+        "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAdaNorm",
+        "diffusers.models.transformers.transformer_hunyuanimage.HunyuanImageAdaNorm",
+        "diffusers.models.transformers.transformer_hunyuan_video15.HunyuanVideo15AdaNorm"), (
+        "normalises nothing: the gate projection linear(silu(temb)) of HunyuanVideo's and HunyuanImage's blocks "
+        "(their modulated norms are swapped)")),
+    **dict.fromkeys((
+        "diffusers.models.transformers.transformer_ltx2.LTX2AdaLayerNormSingle",
+        "diffusers.models.transformers.transformer_sana_wm_refiner.SanaWMLTX2AdaLayerNormSingle"), (
+        "normalises nothing: LTX-2's timestep embedding and modulation linear, as PixArt's AdaLayerNormSingle")),
     "diffusers.models.transformers.transformer_mochi.MochiLayerNormContinuous": (
         "its modulated RMSNorm (norm, a MochiModulatedRMSNorm) is swapped and runs cudnorm.ada_rms_norm; what "
         "remains is its projection of the conditioning"),
