@@ -132,6 +132,8 @@ CLASSES = {
         "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormZeroSinglePruned",),
     "chroma_adaln_continuous_pruned": (
         "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormContinuousPruned",),
+    "cosmos_adaln": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNorm",),
+    "cosmos_adaln_zero": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNormZero",),
     "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),
     "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",),
 }
@@ -180,6 +182,11 @@ LEFT = {
         "diffusers.models.transformers.transformer_ltx2.LTX2AdaLayerNormSingle",
         "diffusers.models.transformers.transformer_sana_wm_refiner.SanaWMLTX2AdaLayerNormSingle"), (
         "normalises nothing: LTX-2's timestep embedding and modulation linear, as PixArt's AdaLayerNormSingle")),
+    **dict.fromkeys((
+        "diffusers.models.transformers.transformer_flux3.Flux3AdaLayerNorm",
+        "diffusers.models.transformers.transformer_helios.HeliosOutputNorm"), (
+        "a modulation per token (temb [B, S, D]), which cudnorm's AdaLN (per sample) does not take; its "
+        "LayerNorm (norm) is swapped")),
     "diffusers.models.transformers.transformer_mochi.MochiLayerNormContinuous": (
         "its modulated RMSNorm (norm, a MochiModulatedRMSNorm) is swapped and runs cudnorm.ada_rms_norm; what "
         "remains is its projection of the conditioning"),

@@ -592,6 +592,42 @@ def _cogview4_adaln_continuous(self, x: torch.Tensor, conditioning_embedding: to
     return _modulate_any(self.norm, x, scale, shift)
 
 
+def _cosmos_modulation(self, embedded_timestep: torch.Tensor, temb: torch.Tensor | None, chunks: int,
+                       width: int | None) -> tuple[torch.Tensor, ...]:
+    """Cosmos' ``linear_2(linear_1(silu(embedded_timestep)))`` plus ``temb`` (its first ``width``
+    features where given), in ``chunks`` chunks, each ``[B, 1, D]`` from a per-sample ``[B, C]``
+    embedding or ``[B, T, D]`` from a per-token one."""
+    e = self.linear_2(self.linear_1(self.activation(embedded_timestep)))
+    if temb is not None:
+        e = e + (temb if width is None else temb[..., :width])
+    parts = e.chunk(chunks, dim=-1)
+    return tuple(p.unsqueeze(1) for p in parts) if e.ndim == 2 else parts
+
+
+def _cosmos_adaln(self, hidden_states: torch.Tensor, embedded_timestep: torch.Tensor,
+                  temb: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' ``CosmosAdaLayerNorm.forward`` on cudnorm: ``norm(x) * (1 + scale) + shift`` of
+    ``hidden_states [B, S, D]``, one :func:`ada_layer_norm` call for a per-sample embedding
+    ``[B, C]``; a per-token one ``[B, S, C]`` runs the formula with the norm on cudnorm."""
+    cls = "CosmosAdaLayerNorm"
+    _input(cls, "hidden_states", hidden_states)
+    shift, scale = _cosmos_modulation(self, _input(cls, "embedded_timestep", embedded_timestep), temb, 2,
+                                      2 * self.embedding_dim)
+    norm = self.norm
+    return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+def _cosmos_adaln_zero(self, hidden_states: torch.Tensor, embedded_timestep: torch.Tensor,
+                       temb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``CosmosAdaLayerNormZero.forward`` on cudnorm: as :func:`_cosmos_adaln`, three
+    chunks; returns ``(modulated hidden_states, gate)``."""
+    cls = "CosmosAdaLayerNormZero"
+    _input(cls, "hidden_states", hidden_states)
+    shift, scale, gate = _cosmos_modulation(self, _input(cls, "embedded_timestep", embedded_timestep), temb, 3, None)
+    norm = self.norm
+    return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias), gate
+
+
 # ---------------------------------------------------------------- modulated RMSNorms
 
 def _ada_rms_dtype(x: torch.Tensor, scale: torch.Tensor) -> torch.dtype | None:
@@ -704,6 +740,7 @@ _NORMALIZATION = "diffusers.models.normalization"
 _MOCHI = "diffusers.models.transformers.transformer_mochi"
 _CHROMA = "diffusers.models.transformers.transformer_chroma"
 _COGVIEW4 = "diffusers.models.transformers.transformer_cogview4"
+_COSMOS = "diffusers.models.transformers.transformer_cosmos"
 _ADALN = frozenset(("silu", "linear", "norm"))
 #: diffusers class (module-qualified name) -> how it runs on cudnorm (:func:`cudnorm.patch`)
 FUSED = {
@@ -726,6 +763,9 @@ FUSED = {
     f"{_CHROMA}.ChromaAdaLayerNormZeroSinglePruned": Fused(_chroma_adaln_zero_single_pruned, frozenset(("norm",))),
     f"{_CHROMA}.ChromaAdaLayerNormContinuousPruned": Fused(_chroma_adaln_continuous_pruned, frozenset(("norm",)),
                                                            ("layer_norm", "rms_norm")),
+    f"{_COSMOS}.CosmosAdaLayerNorm": Fused(_cosmos_adaln, frozenset(("norm", "activation", "linear_1", "linear_2"))),
+    f"{_COSMOS}.CosmosAdaLayerNormZero": Fused(_cosmos_adaln_zero,
+                                               frozenset(("norm", "activation", "linear_1", "linear_2"))),
     f"{_COGVIEW4}.CogView4AdaLayerNormZero": Fused(_cogview4_adaln_zero,
                                                    frozenset(("norm", "norm_context", "linear"))),
     f"{_COGVIEW4}.CogView4AdaLayerNormContinuous": Fused(_cogview4_adaln_continuous, frozenset(("norm", "linear")),
