@@ -132,6 +132,7 @@ CLASSES = {
         "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormZeroSinglePruned",),
     "chroma_adaln_continuous_pruned": (
         "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormContinuousPruned",),
+    "cogview3plus_adaln_zero_text_image": (f"{_NORMALIZATION}.CogView3PlusAdaLayerNormZeroTextImage",),
     "cosmos_adaln": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNorm",),
     "cosmos_adaln_zero": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNormZero",),
     "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),

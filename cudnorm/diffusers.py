@@ -582,6 +582,21 @@ def _cogview4_adaln_zero(self, hidden_states: torch.Tensor, encoder_hidden_state
             c_scale_mlp, c_gate_mlp)
 
 
+def _cogview3plus_adaln_zero_text_image(self, x: torch.Tensor, context: torch.Tensor,
+                                        emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """diffusers' ``CogView3PlusAdaLayerNormZeroTextImage.forward`` on cudnorm: ``linear(silu(emb))``
+    gives twelve ``[B, D]`` chunks; the image tokens ``x`` (``norm_x``) and the text tokens
+    ``context`` (``norm_c``) are one :func:`ada_layer_norm` call each. Returns diffusers' ten
+    outputs in its order."""
+    cls = "CogView3PlusAdaLayerNormZeroTextImage"
+    _input(cls, "context", context)
+    (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, c_shift_msa, c_scale_msa, c_gate_msa,
+     c_shift_mlp, c_scale_mlp, c_gate_mlp) = _chunks(cls, self, x, "x", emb, 12)
+    return (_modulate(self.norm_x, x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+            _modulate(self.norm_c, context, c_scale_msa, c_shift_msa), c_gate_msa, c_shift_mlp, c_scale_mlp,
+            c_gate_mlp)
+
+
 def _cogview4_adaln_continuous(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
     """diffusers' ``CogView4AdaLayerNormContinuous.forward`` (CogView4's output norm) on cudnorm:
     ``(scale, shift) = linear(conditioning_embedding)`` (no SiLU), then as
@@ -766,6 +781,8 @@ FUSED = {
     f"{_COSMOS}.CosmosAdaLayerNorm": Fused(_cosmos_adaln, frozenset(("norm", "activation", "linear_1", "linear_2"))),
     f"{_COSMOS}.CosmosAdaLayerNormZero": Fused(_cosmos_adaln_zero,
                                                frozenset(("norm", "activation", "linear_1", "linear_2"))),
+    f"{_NORMALIZATION}.CogView3PlusAdaLayerNormZeroTextImage": Fused(
+        _cogview3plus_adaln_zero_text_image, frozenset(("silu", "linear", "norm_x", "norm_c"))),
     f"{_COGVIEW4}.CogView4AdaLayerNormZero": Fused(_cogview4_adaln_zero,
                                                    frozenset(("norm", "norm_context", "linear"))),
     f"{_COGVIEW4}.CogView4AdaLayerNormContinuous": Fused(_cogview4_adaln_continuous, frozenset(("norm", "linear")),
@@ -798,9 +815,10 @@ def why_not_fused(module: torch.nn.Module, fused: Fused) -> str | None:
     """Why ``module``, of a class of :data:`FUSED`, cannot run ``fused.forward`` (its children
     or its norm are not what its class builds), or None."""
     children = dict(module.named_children())
-    if not set(children) <= fused.children or "norm" not in children:
+    norms = {name for name in fused.children if name.startswith("norm")}  # "norm", CogView4's "norm_context", ...
+    if not set(children) <= fused.children or not norms <= set(children):
         return f"children {sorted(children)} where its class builds {sorted(fused.children)}"
-    for name in sorted(n for n in children if n.startswith("norm")):  # "norm", CogView4's "norm_context"
+    for name in sorted(norms):
         if _norm_kind(children[name]) not in fused.norms:
             return (f"its {name} is a {qualified_name(type(children[name]))}, which cudnorm does not fuse into it")
     if getattr(module, "chunk_dim", 0) not in (0, 1):  # diffusers' AdaLayerNorm

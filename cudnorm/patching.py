@@ -191,7 +191,8 @@ class Formula:
 
 def _fused(name: str, qualified: str) -> Formula:
     fused = FUSED[qualified]
-    return Formula(name, fused.forward, functools.partial(why_not_fused, fused=fused), reads=("norm",))
+    norms = tuple(sorted(child for child in fused.children if child.startswith("norm")))
+    return Formula(name, fused.forward, functools.partial(why_not_fused, fused=fused), reads=norms)
 
 
 # what each computes: its forward's docstring, and docs/patching.md

@@ -224,6 +224,8 @@ def _adaln_cases():
                               lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cases["cogview4-continuous"] = (lambda: cogview4.CogView4AdaLayerNormContinuous(d, c, False, 1e-6),
                                     lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    cases["cogview3plus-zero"] = (lambda: normalization.CogView3PlusAdaLayerNormZeroTextImage(c, d),
+                                  lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cosmos = importlib.import_module("diffusers.models.transformers.transformer_cosmos")
     cases["cosmos"] = (lambda: cosmos.CosmosAdaLayerNorm(d, 16),
                        lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {"temb": x(2, 3 * d)(dtype)}))
@@ -264,7 +266,8 @@ ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-
                "adaln-timestep", "adaln-shared-affine", "adaln-chunk1", "adaln-chunk1-affine", "cogvideox",
                "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain",
                "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
-               "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero"]
+               "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
+               "cogview3plus-zero"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)
