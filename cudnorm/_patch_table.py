@@ -135,8 +135,11 @@ CLASSES = {
     "cogview3plus_adaln_zero_text_image": (f"{_NORMALIZATION}.CogView3PlusAdaLayerNormZeroTextImage",),
     "cosmos_adaln": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNorm",),
     "cosmos_adaln_zero": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNormZero",),
-    "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),
-    "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",),
+    # GLM-Image's two classes have CogView4's bodies (constructor and forward)
+    "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",
+                            "diffusers.models.transformers.transformer_glm_image.GlmImageAdaLayerNormZero"),
+    "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",
+                                  "diffusers.models.transformers.transformer_glm_image.GlmImageAdaLayerNormContinuous"),
 }
 
 #: formula name -> the classes of it that the tests run against cudnorm, one for each way the
@@ -149,6 +152,8 @@ ANCHORS = {
     "fp32_rms_norm": _transformers("olmo2.Olmo2RMSNorm", "helium.HeliumRMSNorm") + (
         "diffusers.pipelines.kolors.text_encoder.RMSNorm", f"{_NORMALIZATION}.MochiRMSNorm"),
     "t5_rms_norm": _transformers("t5.T5LayerNorm") + (f"{_NORMALIZATION}.RMSNorm",),
+    "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),
+    "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",),
 }
 
 _GATED = ("a gated RMSNorm: it also multiplies by an activation of a second input (the gate), which no "

@@ -224,6 +224,11 @@ def _adaln_cases():
                               lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cases["cogview4-continuous"] = (lambda: cogview4.CogView4AdaLayerNormContinuous(d, c, False, 1e-6),
                                     lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    glm = importlib.import_module("diffusers.models.transformers.transformer_glm_image")
+    cases["glm-image-zero"] = (lambda: glm.GlmImageAdaLayerNormZero(c, d),
+                               lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
+    cases["glm-image-continuous"] = (lambda: glm.GlmImageAdaLayerNormContinuous(d, c, False, 1e-6),
+                                     lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
     cases["cogview3plus-zero"] = (lambda: normalization.CogView3PlusAdaLayerNormZeroTextImage(c, d),
                                   lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cosmos = importlib.import_module("diffusers.models.transformers.transformer_cosmos")
@@ -267,7 +272,7 @@ ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-
                "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain",
                "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
                "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
-               "cogview3plus-zero"]
+               "cogview3plus-zero", "glm-image-zero", "glm-image-continuous"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)
