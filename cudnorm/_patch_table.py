@@ -82,7 +82,7 @@ CLASSES = {
     "muse_glimmer.MuseGlimmerTextCenteredRMSNorm", "qwen3_5.Qwen3_5RMSNorm", "qwen3_5_moe.Qwen3_5MoeRMSNorm",
     "qwen3_next.Qwen3NextRMSNorm", "recurrent_gemma.RecurrentGemmaRMSNorm", "step3p7.Step3p7RMSNorm",
     "t5gemma.T5GemmaRMSNorm", "t5gemma2.T5Gemma2RMSNorm", "vaultgemma.VaultGemmaRMSNorm",
-    ),
+    ) + ("diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",),
     # (weight * x_hat) in fp32, cast to x's dtype (OLMo 2's q/k norms normalise the whole projection)
     "fp32_rms_norm": _transformers(
     "afmoe.AfmoeRMSNorm", "beam.BeamRMSNorm", "deepseek_v4.DeepseekV4RMSNorm", "flex_olmo.FlexOlmoRMSNorm",
@@ -133,6 +133,8 @@ CLASSES = {
     "chroma_adaln_continuous_pruned": (
         "diffusers.models.transformers.transformer_chroma.ChromaAdaLayerNormContinuousPruned",),
     "cogview3plus_adaln_zero_text_image": (f"{_NORMALIZATION}.CogView3PlusAdaLayerNormZeroTextImage",),
+    "qwenimage21_adaln_continuous": (
+        "diffusers.models.transformers.transformer_qwenimage21.QwenImage21AdaLayerNormContinuous",),
     "cosmos_adaln": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNorm",),
     "cosmos_adaln_zero": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNormZero",),
     # GLM-Image's two classes have CogView4's bodies (constructor and forward)
@@ -147,7 +149,8 @@ CLASSES = {
 #: formula has, body for body, the forward of one of them
 ANCHORS = {
     "llama_rms_norm": _transformers("llama.LlamaRMSNorm"),
-    "gemma_rms_norm": _transformers("gemma.GemmaRMSNorm"),
+    "gemma_rms_norm": _transformers("gemma.GemmaRMSNorm") + (
+        "diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",),
     "cohere_layer_norm": _transformers("cohere.CohereLayerNorm"),
     "fp32_rms_norm": _transformers("olmo2.Olmo2RMSNorm", "helium.HeliumRMSNorm") + (
         "diffusers.pipelines.kolors.text_encoder.RMSNorm", f"{_NORMALIZATION}.MochiRMSNorm"),

@@ -607,6 +607,20 @@ def _cogview4_adaln_continuous(self, x: torch.Tensor, conditioning_embedding: to
     return _modulate_any(self.norm, x, scale, shift)
 
 
+def _qwenimage21_adaln_continuous(self, hidden_states: torch.Tensor, conditioning_embedding: torch.Tensor,
+                                  target_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' ``QwenImage21AdaLayerNormContinuous.forward`` (QwenImage 2.1's output norm, scale
+    only) on cudnorm: ``norm(x) * (1 + scale)`` with ``scale = linear(silu(cond))`` ``[B, D]``, one
+    :func:`ada_layer_norm` call. With ``target_token_mask`` (rows chosen per token) diffusers'
+    own forward runs, its LayerNorm on cudnorm."""
+    if target_token_mask is not None:
+        return type(self)._cudnorm_unpatched.forward(self, hidden_states, conditioning_embedding, target_token_mask)
+    cls = "QwenImage21AdaLayerNormContinuous"
+    _input(cls, "hidden_states", hidden_states)
+    scale = self.linear(self.silu(_input(cls, "conditioning_embedding", conditioning_embedding)).to(hidden_states.dtype))
+    return _modulate(self.norm, hidden_states, scale, torch.zeros_like(scale))
+
+
 def _cosmos_modulation(self, embedded_timestep: torch.Tensor, temb: torch.Tensor | None, chunks: int,
                        width: int | None) -> tuple[torch.Tensor, ...]:
     """Cosmos' ``linear_2(linear_1(silu(embedded_timestep)))`` plus ``temb`` (its first ``width``
@@ -756,6 +770,7 @@ _MOCHI = "diffusers.models.transformers.transformer_mochi"
 _CHROMA = "diffusers.models.transformers.transformer_chroma"
 _COGVIEW4 = "diffusers.models.transformers.transformer_cogview4"
 _COSMOS = "diffusers.models.transformers.transformer_cosmos"
+_QWENIMAGE21 = "diffusers.models.transformers.transformer_qwenimage21"
 _ADALN = frozenset(("silu", "linear", "norm"))
 #: diffusers class (module-qualified name) -> how it runs on cudnorm (:func:`cudnorm.patch`)
 FUSED = {
@@ -778,6 +793,7 @@ FUSED = {
     f"{_CHROMA}.ChromaAdaLayerNormZeroSinglePruned": Fused(_chroma_adaln_zero_single_pruned, frozenset(("norm",))),
     f"{_CHROMA}.ChromaAdaLayerNormContinuousPruned": Fused(_chroma_adaln_continuous_pruned, frozenset(("norm",)),
                                                            ("layer_norm", "rms_norm")),
+    f"{_QWENIMAGE21}.QwenImage21AdaLayerNormContinuous": Fused(_qwenimage21_adaln_continuous, _ADALN),
     f"{_COSMOS}.CosmosAdaLayerNorm": Fused(_cosmos_adaln, frozenset(("norm", "activation", "linear_1", "linear_2"))),
     f"{_COSMOS}.CosmosAdaLayerNormZero": Fused(_cosmos_adaln_zero,
                                                frozenset(("norm", "activation", "linear_1", "linear_2"))),

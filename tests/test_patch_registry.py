@@ -109,6 +109,8 @@ NORMALIZATION = "diffusers.models.normalization"
 ANCHOR_CASES = {
     "llama": (TF("llama", "LlamaRMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 1.0),
     "gemma": (TF("gemma", "GemmaRMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 0.0),
+    "qwen-image21-zero-center": ("diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",
+                                 lambda cls: cls(64, eps=1e-5), (64,), 0.0),
     "olmo2": (TF("olmo2", "Olmo2RMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 1.0),
     "helium": (TF("helium", "HeliumRMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 1.0),
     "chatglm": ("diffusers.pipelines.kolors.text_encoder.RMSNorm", lambda cls: cls(64, eps=1e-5), (64,), 1.0),
@@ -229,6 +231,13 @@ def _adaln_cases():
                                lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cases["glm-image-continuous"] = (lambda: glm.GlmImageAdaLayerNormContinuous(d, c, False, 1e-6),
                                      lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    qwen21 = importlib.import_module("diffusers.models.transformers.transformer_qwenimage21")
+    cases["qwen-image21-continuous"] = (lambda: qwen21.QwenImage21AdaLayerNormContinuous(d, c),
+                                        lambda dtype: ((x(2, 5, d)(dtype), x(2, c)(dtype)), {}))
+    cases["qwen-image21-continuous-mask"] = (
+        lambda: qwen21.QwenImage21AdaLayerNormContinuous(d, c),
+        lambda dtype: ((x(2, 5, d)(dtype), x(3, c)(dtype)),
+                       {"target_token_mask": torch.tensor([True, True, False, True, False])}))
     cases["cogview3plus-zero"] = (lambda: normalization.CogView3PlusAdaLayerNormZeroTextImage(c, d),
                                   lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cosmos = importlib.import_module("diffusers.models.transformers.transformer_cosmos")
@@ -272,7 +281,8 @@ ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-
                "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain",
                "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
                "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
-               "cogview3plus-zero", "glm-image-zero", "glm-image-continuous"]
+               "cogview3plus-zero", "glm-image-zero", "glm-image-continuous",
+               "qwen-image21-continuous", "qwen-image21-continuous-mask"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)
