@@ -135,6 +135,8 @@ CLASSES = {
     "cogview3plus_adaln_zero_text_image": (f"{_NORMALIZATION}.CogView3PlusAdaLayerNormZeroTextImage",),
     "qwenimage21_adaln_continuous": (
         "diffusers.models.transformers.transformer_qwenimage21.QwenImage21AdaLayerNormContinuous",),
+    "audio_dit_adaln_zero_final": (
+        "diffusers.models.transformers.transformer_longcat_audio_dit.AudioDiTAdaLayerNormZeroFinal",),
     "cosmos_adaln": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNorm",),
     "cosmos_adaln_zero": ("diffusers.models.transformers.transformer_cosmos.CosmosAdaLayerNormZero",),
     # GLM-Image's two classes have CogView4's bodies (constructor and forward)
@@ -196,6 +198,13 @@ LEFT = {
         "diffusers.models.transformers.transformer_helios.HeliosOutputNorm"), (
         "a modulation per token (temb [B, S, D]), which cudnorm's AdaLN (per sample) does not take; its "
         "LayerNorm (norm) is swapped")),
+    "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormModulation": (
+        "normalises nothing: MiniMax-H3's block modulation projection (its blocks' norms are swapped)"),
+    "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormOut": (
+        "a modulation per row of the packed sequence (index_select by timestep), which cudnorm's AdaLN (per "
+        "sample) does not take; its RMSNorm (norm) is swapped"),
+    "diffusers.models.transformers.transformer_rfd4_proteina.RFD4ProteinaAdaptiveNorm": (
+        "a sigmoid gain, a shift and a mask after the norm, from a normalised condition; its norms are swapped"),
     "diffusers.models.transformers.transformer_mochi.MochiLayerNormContinuous": (
         "its modulated RMSNorm (norm, a MochiModulatedRMSNorm) is swapped and runs cudnorm.ada_rms_norm; what "
         "remains is its projection of the conditioning"),

@@ -621,6 +621,21 @@ def _qwenimage21_adaln_continuous(self, hidden_states: torch.Tensor, conditionin
     return _modulate(self.norm, hidden_states, scale, torch.zeros_like(scale))
 
 
+def _audio_dit_adaln_zero_final(self, hidden_states: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``AudioDiTAdaLayerNormZeroFinal.forward`` (LongCat-AudioDiT's output norm) on
+    cudnorm: ``norm(x) * (1 + scale) + shift`` from ``linear(silu(embedding))``; a per-sample
+    ``[B, C]`` embedding is one :func:`ada_layer_norm` call (computed in fp32, rounded once), a
+    per-token one runs the formula with the norm on cudnorm."""
+    cls = "AudioDiTAdaLayerNormZeroFinal"
+    _input(cls, "hidden_states", hidden_states)
+    scale, shift = self.linear(self.silu(_input(cls, "embedding", embedding))).chunk(2, dim=-1)
+    if scale.ndim == 2:
+        return _modulate(self.norm, hidden_states, scale, shift)
+    norm = self.norm
+    y = layer_norm(hidden_states.float(), hidden_states.shape[-1], norm.weight, norm.bias, norm.eps)
+    return y.type_as(hidden_states) * (1 + scale) + shift
+
+
 def _cosmos_modulation(self, embedded_timestep: torch.Tensor, temb: torch.Tensor | None, chunks: int,
                        width: int | None) -> tuple[torch.Tensor, ...]:
     """Cosmos' ``linear_2(linear_1(silu(embedded_timestep)))`` plus ``temb`` (its first ``width``
@@ -794,6 +809,8 @@ FUSED = {
     f"{_CHROMA}.ChromaAdaLayerNormContinuousPruned": Fused(_chroma_adaln_continuous_pruned, frozenset(("norm",)),
                                                            ("layer_norm", "rms_norm")),
     f"{_QWENIMAGE21}.QwenImage21AdaLayerNormContinuous": Fused(_qwenimage21_adaln_continuous, _ADALN),
+    "diffusers.models.transformers.transformer_longcat_audio_dit.AudioDiTAdaLayerNormZeroFinal": Fused(
+        _audio_dit_adaln_zero_final, _ADALN),
     f"{_COSMOS}.CosmosAdaLayerNorm": Fused(_cosmos_adaln, frozenset(("norm", "activation", "linear_1", "linear_2"))),
     f"{_COSMOS}.CosmosAdaLayerNormZero": Fused(_cosmos_adaln_zero,
                                                frozenset(("norm", "activation", "linear_1", "linear_2"))),

@@ -238,6 +238,11 @@ def _adaln_cases():
         lambda: qwen21.QwenImage21AdaLayerNormContinuous(d, c),
         lambda dtype: ((x(2, 5, d)(dtype), x(3, c)(dtype)),
                        {"target_token_mask": torch.tensor([True, True, False, True, False])}))
+    audio = importlib.import_module("diffusers.models.transformers.transformer_longcat_audio_dit")
+    cases["audio-dit-final"] = (lambda: audio.AudioDiTAdaLayerNormZeroFinal(d),
+                                lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
+    cases["audio-dit-final-per-token"] = (lambda: audio.AudioDiTAdaLayerNormZeroFinal(d),
+                                          lambda dtype: ((x(2, 5, d)(dtype), x(2, 5, d)(dtype)), {}))
     cases["cogview3plus-zero"] = (lambda: normalization.CogView3PlusAdaLayerNormZeroTextImage(c, d),
                                   lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cosmos = importlib.import_module("diffusers.models.transformers.transformer_cosmos")
@@ -282,7 +287,8 @@ ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-
                "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
                "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
                "cogview3plus-zero", "glm-image-zero", "glm-image-continuous",
-               "qwen-image21-continuous", "qwen-image21-continuous-mask"]
+               "qwen-image21-continuous", "qwen-image21-continuous-mask",
+               "audio-dit-final", "audio-dit-final-per-token"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)
