@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 from .ada_layer_norm import ada_layer_norm
-from .diffusers import _modulated_layer_norm, _norm_kind, layer_norm_class
+from ._diffusers_forwards import _modulated_layer_norm
+from .diffusers import _norm_kind, layer_norm_class
 
 # torch's module-global hook registries (dicts mutated in place, never rebound): module calls
 # run their hooks while any holds one
@@ -61,7 +62,7 @@ def _modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shif
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` as one op for ``x [B, S, D]`` and
     per-sample chunks ``scale``/``shift`` ``[B, D]`` (or ``[B, 1, D]``), ``norm`` a LayerNorm
     read, not called. The blocks' own case (no affine parameters, one dtype) goes straight to
-    :func:`cudnorm.ada_layer_norm`; any other, :func:`cudnorm.diffusers._modulated_layer_norm`."""
+    :func:`cudnorm.ada_layer_norm`; any other, :func:`cudnorm._diffusers_forwards._modulated_layer_norm`."""
     weight, bias, b, d = norm.weight, norm.bias, x.shape[0], x.shape[-1]
     if (weight is None and bias is None and x.dtype is scale.dtype and shift.dtype is scale.dtype and x.dim() == 3
             and scale.shape[0] == b and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape):

@@ -29,7 +29,8 @@ LAYERS = [
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add
     ("ada_layer_norm", "ada_rms_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
-    ("_info", "_native", "_sharding", "modules", "warmup"),
+    ("_diffusers_forwards", "_info", "_native", "_sharding", "modules", "warmup"),  # _diffusers_forwards: the
+    # arithmetic of the diffusers classes and the forwards patch runs on diffusers' other AdaLN classes
     ("diffusers",),
     ("_diffusers_blocks",),  # whole diffusers blocks on diffusers' fused modulation
     ("patching",),
