@@ -109,6 +109,19 @@ def test_resume_keeps_finished_cases_and_names_the_one_the_process_died_in(tmp_p
 def test_resume_goes_with_models(capsys):
     assert cli.main(["bench", "--quick", "--resume"]) == 2
     assert "--resume: goes with --models" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--profile-host"]) == 2
+    assert "--profile-host: goes with --models" in capsys.readouterr().err
+
+
+def test_profile_host_writes_one_profile_per_case_and_provider(tmp_path):
+    assert cli.main(["bench", "--models", "dit-64-b2-s16:train", "--quick", "--out", str(tmp_path),
+                     "--providers", "torch,cudnorm", "--profile-host"]) == 0
+    profiles = sorted((tmp_path / "profiles").glob("*.txt"))
+    names = {p.name.split("__")[1] for p in profiles}
+    assert {"torch.txt", "cudnorm.txt"} <= names, profiles
+    text = next(p for p in profiles if p.name.endswith("__cudnorm.txt")).read_text()
+    assert "native table counters over the step" in text and "tottime" in text
+    assert "--profile-host" in (tmp_path / "models.md").read_text()
 
 
 @needs_native_option

@@ -30,6 +30,7 @@ row failed.
 
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import csv
 import shlex
@@ -89,6 +90,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="with --models: keep the cases an earlier run into --out finished (models.csv) and "
                              "run the rest; a case the earlier process died in gets a line saying so")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="with --models: after timing, profile one step of each case and provider with cProfile "
+                             "(the Python functions it ran, cudnorm's native table hits and misses) into "
+                             "--out/profiles/: where a patched host-bound step spends its host time")
     parser.add_argument("--sweep", nargs="?", const="default", choices=("default", "full"),
                         help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
                              "(cudnorm/_bench/sweep.py); 'full': every dtype, weight dtype and direction")
@@ -134,6 +139,7 @@ def _command(args) -> str:
     parts += [f for f, on in (("--cuda-graph", args.cuda_graph), ("--host-overhead", args.host_overhead)) if on]
     parts += ["--host-passes", str(args.host_passes)] if args.host_passes else []
     parts += ["--resume"] if getattr(args, "resume", False) else []
+    parts += ["--profile-host"] if getattr(args, "profile_host", False) else []
     return shlex.join(parts)
 
 
@@ -244,8 +250,9 @@ def run(args) -> int:
         raise _args.UsageError("--call", "only goes with --from-csv")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sweep_flags = [f"--{f}" for f in ("widths", "elements", "jobs") if getattr(args, f) is not None]
-    if args.resume and not args.models:
-        raise _args.UsageError("--resume", "goes with --models")
+    for flag, on in (("--resume", args.resume), ("--profile-host", args.profile_host)):
+        if on and not args.models:
+            raise _args.UsageError(flag, "goes with --models")
     if args.sweep:
         return _run_sweep(args, device)
     if sweep_flags:
@@ -357,6 +364,8 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
         notes.append(f"{' and '.join(real_models.ALWAYS)}: always in the real models' cases")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = models.QUICK_SETTINGS if args.quick else models.Settings()
+    if args.profile_host:
+        settings = dataclasses.replace(settings, profile_dir=out / "profiles")
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"cudnorm bench --models on {device_name} ({_bench.versions()}), {str(dtype).removeprefix('torch.')}, "
           f"{len(cases)} cases")
