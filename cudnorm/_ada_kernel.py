@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from . import _triton_launch
+
 _F32 = torch.float32
 # The widest row one program holds in registers (fp32 vectors of this many elements); wider
 # rows take the per-sample strategy.
@@ -157,7 +159,6 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
 # (x, dy, scale, stats, dx, partial), then seven int32 (seq, cols, the three row strides,
 # chunks, batch)
 _NATIVE_PARAMETERS = 6 * ["*"] + 7 * ["i32"]
-_SCRATCH = ("global_scratch_size", "profile_scratch_size")
 # the scale row stride the natively launched kernel is compiled for: any multiple of this
 SCALE_STRIDE_ALIGN = 16
 
@@ -186,14 +187,8 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
                                     ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, RMS=False,
                                     num_warps=warps)
         compiled.run  # noqa: B018 - loads the module: sets compiled.function
-    meta = compiled.metadata
-    signature = [kind for kind in compiled.src.signature.values() if kind != "constexpr"]
-    plain = (getattr(meta, "num_ctas", 1) == 1 and not getattr(meta, "launch_pdl", False)
-             and not getattr(meta, "launch_cooperative_grid", False)
-             and not any(getattr(meta, name, 0) for name in _SCRATCH)
-             and len(signature) == len(_NATIVE_PARAMETERS)
-             and all(kind.startswith(want) for kind, want in zip(signature, _NATIVE_PARAMETERS)))
-    if not plain or not compiled.function:
+    launch = _triton_launch.handle(compiled, _NATIVE_PARAMETERS)
+    if launch is None:
         return None
-    return (int(compiled.function), 32 * meta.num_warps, meta.shared, chunks,
-            sum(hasattr(meta, name) for name in _SCRATCH))
+    function, threads, shared, scratch = launch
+    return function, threads, shared, chunks, scratch

@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import _triton_launch
+
 _F32 = torch.float32
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: The widest row served: one row is one tile of ``MAX_COLS`` fp32 values across a program's threads.
@@ -348,8 +350,6 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 # forward: x, weight, bias, y, mean, rstd; rows, tiles, eps (fp32), seq
 # backward: x, dy, weight, mean, rstd, dx, dweight partial, dbias partial; rows, tiles
 _NATIVE_PARAMETERS = {False: 6 * ["*"] + ["i32", "i32", "fp32", "i32"], True: 8 * ["*"] + ["i32", "i32"]}
-_SCRATCH = ("global_scratch_size", "profile_scratch_size")
-
 
 def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torch.dtype | None,
                   bias_dtype: torch.dtype | None, backward: bool = False
@@ -389,14 +389,8 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     with torch.cuda.device(device):
         compiled = _kernels()[backward].warmup(*dtypes, *scalars, grid=(1,), **meta)
         compiled.run  # noqa: B018 - loads the module: sets compiled.function
-    info = compiled.metadata
-    signature = [kind for kind in compiled.src.signature.values() if kind != "constexpr"]
-    want = _NATIVE_PARAMETERS[backward]
-    plain = (getattr(info, "num_ctas", 1) == 1 and not getattr(info, "launch_pdl", False)
-             and not getattr(info, "launch_cooperative_grid", False)
-             and not any(getattr(info, name, 0) for name in _SCRATCH)
-             and len(signature) == len(want) and all(kind.startswith(w) for kind, w in zip(signature, want)))
-    if not plain or not compiled.function:
+    launch = _triton_launch.handle(compiled, _NATIVE_PARAMETERS[backward])
+    if launch is None:
         return None
-    return (int(compiled.function), 32 * info.num_warps, info.shared, 0,
-            sum(hasattr(info, name) for name in _SCRATCH), programs, tiles)
+    function, threads, shared, scratch = launch
+    return function, threads, shared, 0, scratch, programs, tiles

@@ -17,8 +17,9 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_ada_kernel", "_entry", "_lru", "_norm_kernel", "_ops", "_patch_table", "_progress", "_spec", "_version",
-     "_warn", "reference"),  # no package imports
+    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_triton_launch", "_version", "_warn",
+     "reference"),  # no package imports
+    ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
     ("_ada_rms", "_settings"),  # _ada_rms: adaptive RMSNorm's formula and kernels
     ("_candidates", "_policy", "_recording", "_runtime"),  # _candidates: the kernels a call may run
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch

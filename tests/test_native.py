@@ -147,6 +147,29 @@ def test_kernel_recipes_carry_the_compiled_launch(resolve, monkeypatch, launch):
                      ((1 << 14, 96), True, True, None, None, True)]
 
 
+def test_triton_launch_takes_only_plain_launches():
+    """What C++ launches by handle: a 1-CTA, non-cooperative, non-PDL kernel without scratch
+    memory whose non-constexpr parameters are the kinds C++ passes, in order."""
+    from types import SimpleNamespace
+
+    from cudnorm import _triton_launch
+
+    def compiled(signature, function=0x7F00, **meta):
+        info = SimpleNamespace(**{"num_warps": 4, "shared": 512, "num_ctas": 1, "global_scratch_size": 0, **meta})
+        return SimpleNamespace(metadata=info, function=function,
+                               src=SimpleNamespace(signature=dict(enumerate(signature))))
+
+    kinds = ["*bf16", "*fp32", "constexpr", "i32", "fp32"]
+    want = ["*", "*", "i32", "fp32"]
+    assert _triton_launch.handle(compiled(kinds), want) == (0x7F00, 128, 512, 1)  # one scratch field: 1 null
+    assert _triton_launch.handle(compiled(kinds), ["*", "*", "i32", "i32"]) is None  # an fp32 where C++ passes i32
+    assert _triton_launch.handle(compiled(kinds[:-1]), want) is None  # a parameter short
+    for meta in ({"num_ctas": 2}, {"launch_pdl": True}, {"launch_cooperative_grid": True},
+                 {"global_scratch_size": 64}):
+        assert _triton_launch.handle(compiled(kinds, **meta), want) is None, meta
+    assert _triton_launch.handle(compiled(kinds, function=0), want) is None  # module not loaded
+
+
 def test_kernel_fallbacks_match_pytorch():
     """What kernel.cpp asks Python for where it cannot launch the kernel: the kernel's own
     forward and backward (run under Triton's interpreter, in a child process)."""
