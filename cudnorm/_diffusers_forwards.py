@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from . import _checks
+from . import _checks, _entry
 from .ada_layer_norm import ada_layer_norm
 from .ada_rms_norm import ada_rms_norm
 from .layer_norm import layer_norm
@@ -122,14 +122,32 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     # fold in fp32 (or fp64): [B, D] or [D] elements, each folded value rounded once to x's
     # dtype, as the op rounds its own 1 + scale (and so the default policy may hand small or
     # compiled calls to PyTorch's ops, which it does only for parameters of x's dtype)
-    wide = torch.promote_types(dtype, torch.float32)
-    gain = 1 + scale.to(wide)
-    shift = shift.to(wide) if bias is None else shift.to(wide) + bias.to(wide) * gain
-    gain = gain if weight is None else gain * weight.to(wide)
-    gain, shift = gain.to(dtype), shift.to(dtype)
+    if _native_fold(x, scale, shift, weight, bias):
+        gain, shift = _entry.affine_fold(scale, shift, weight, bias, True, x)
+    else:
+        wide = torch.promote_types(dtype, torch.float32)
+        gain = 1 + scale.to(wide)
+        shift = shift.to(wide) if bias is None else shift.to(wide) + bias.to(wide) * gain
+        gain = gain if weight is None else gain * weight.to(wide)
+        gain, shift = gain.to(dtype), shift.to(dtype)
     if per_sample:
         return ada_layer_norm(x, gain, shift, eps)
     return layer_norm(x, d, gain, shift, eps)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FOLDS = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+def _native_fold(x: torch.Tensor, *tensors) -> bool:
+    """Whether the native path's fold (``csrc/fold.cpp``, one autograd node) computes the
+    folded gain and shift: an eager CUDA call whose tensors (``None`` for an absent weight or
+    bias) are plain, of the ops' dtypes. The formula it replaces records about ten autograd
+    ops per call, which a host-bound step pays in host time (CogVideoX trained at 0.81x);
+    traced calls and other tensors (a DTensor) keep the formula."""
+    if not (_entry.native and x.is_cuda) or _entry.is_compiling():
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.dtype in _FOLDS) for t in tensors)
 
 
 def _chunks(cls: str, module: torch.nn.Module, x, x_arg: str, emb, count: int) -> tuple[torch.Tensor, ...]:

@@ -22,6 +22,9 @@ pending = True  # the native path has not been tried in this process (nor switch
 # the native entry points (functions of the native library's Python module, which call
 # cudnorm::*_entry's C++ directly), set by cudnorm._native
 layer_norm = rms_norm = add_layer_norm = add_rms_norm = ada_layer_norm = None
+# the affine fold of a modulated LayerNorm (csrc/fold.cpp): (w * g, b * g + shift) in one
+# autograd node, for cudnorm.diffusers' forwards of affine norms followed by a modulation
+affine_fold = None
 
 is_compiling = torch.compiler.is_compiling
 # cudnorm._native's activate(), status() and counters(): set when that module is imported

@@ -361,6 +361,7 @@ def _sync() -> None:
     _entry.layer_norm, _entry.rms_norm = module.layer_norm, module.rms_norm
     _entry.add_layer_norm, _entry.add_rms_norm = module.add_layer_norm, module.add_rms_norm
     _entry.ada_layer_norm = module.ada_layer_norm
+    _entry.affine_fold = module.affine_fold
     _entry.native = serve
 
 

@@ -242,6 +242,42 @@ def test_ada_layer_norm_matches_python_path(case, scale_dtype):
              served=forward == "auto" or s % 4 == 0)
 
 
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shared", [False, True])
+def test_affine_fold_matches_the_formula(affine, param_dtype, shared):
+    """An affine LayerNorm then a modulation (CogVideoXLayerNormZero's), folded into one
+    ada_layer_norm / layer_norm call: the native fold (csrc/fold.cpp, one autograd node) against
+    the formula the Python path records op by op. Both compute in fp32 and round once; the
+    fold's multiply-add may round the fp32 shift differently (one bf16 ulp at most)."""
+    from cudnorm._diffusers_forwards import _modulated_layer_norm
+
+    b, s, d = 2, 256, 1152
+    shape = (d,) if shared else (b, 1, d)
+    weight = (1 + 0.1 * torch.randn(d, device="cuda")).to(param_dtype) if "weight" in affine else None
+    bias = (0.1 * torch.randn(d, device="cuda")).to(param_dtype) if "bias" in affine else None
+    inputs = [_bf16(b, s, d), _bf16(*shape, scale=0.1), _bf16(*shape, scale=0.1), weight, bias]
+
+    def fn(x, scale, shift, weight, bias):
+        return _modulated_layer_norm(x, scale, shift, 1e-6, weight, bias)
+
+    native_out, native_grads = _grads(fn, inputs)
+    with cudnorm.config(native="off"):
+        python_out, python_grads = _grads(fn, inputs)
+    torch.testing.assert_close(native_out[0], python_out[0], atol=2e-2, rtol=1e-2)
+    for name, a, b_ in zip(["x", "scale", "shift", "weight", "bias"], native_grads, python_grads):
+        assert (a is None) == (b_ is None), name
+        if a is not None:
+            assert a.dtype == b_.dtype, name
+            torch.testing.assert_close(a.float(), b_.float(), atol=5e-2, rtol=2e-2, msg=name)
+    y = fn(*[None if t is None else t.detach().clone().requires_grad_() for t in inputs])
+    names, frontier = [], [y.grad_fn]
+    for _ in range(3):  # the native forward's graph, a few nodes deep: the fold is one node
+        frontier = [n for node in frontier for n, _ in node.next_functions if n is not None]
+        names += [n.name() for n in frontier]
+    assert any("AffineFold" in name for name in names), names
+
+
 def test_double_backward_matches_python_path():
     x, w = _bf16(64, 512).float(), 1 + 0.1 * torch.randn(512, device="cuda")
 

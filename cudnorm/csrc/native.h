@@ -240,5 +240,9 @@ std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor&
                                               std::optional<double> eps, double weight_offset);
 Tensor ada_layer_norm_entry(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
                             bool one_plus_scale);
+// The gain and shift of an affine LayerNorm folded into its per-sample modulation, in `dtype`
+// (fold.cpp): (w * g, b * g + shift) with g = 1 + scale (or scale); one autograd node.
+std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,
+                                       const OptTensor& bias, bool one_plus_scale, at::ScalarType dtype);
 
 }  // namespace cudnorm

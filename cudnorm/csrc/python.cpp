@@ -155,6 +155,18 @@ PyObject* ada_layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// affine_fold(scale, shift, weight, bias, one_plus_scale, like): (gain, shift) in like's dtype
+PyObject* affine_fold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  arity(nargs, 6);
+  Tensor scale = tensor(args[0]), shift = tensor(args[1]);
+  OptTensor weight = optional_tensor(args[2]), bias = optional_tensor(args[3]);
+  bool dit = boolean(args[4]);
+  const at::ScalarType dtype = tensor(args[5]).scalar_type();
+  return wrap(unlocked([&] { return cudnorm::affine_fold(scale, shift, weight, bias, dit, dtype); }));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm)), METH_FASTCALL, nullptr},
     {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rms_norm)), METH_FASTCALL, nullptr},
@@ -163,6 +175,8 @@ PyMethodDef methods[] = {
     {"add_rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_rms_norm)), METH_FASTCALL,
      nullptr},
     {"ada_layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ada_layer_norm)), METH_FASTCALL,
+     nullptr},
+    {"affine_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(affine_fold)), METH_FASTCALL,
      nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
