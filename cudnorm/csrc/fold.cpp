@@ -25,9 +25,11 @@ Tensor fresh(const Tensor& t, at::ScalarType dtype) { return t.to(dtype, false, 
 struct AffineFold : torch::autograd::Function<AffineFold> {
   // scale, shift: [B, 1.., D] (per sample) or [D] (shared), one shape; weight, bias: [D] or
   // undefined. Computed in fp32, each result rounded once to `dtype`.
-  static variable_list forward(AutogradContext* ctx, const Tensor& scale, const Tensor& shift, const Tensor& weight,
-                               const Tensor& bias, bool one_plus_scale, int64_t dtype_code) {
+  // (an absent weight or bias is an empty optional: Function::apply takes no undefined tensor)
+  static variable_list forward(AutogradContext* ctx, const Tensor& scale, const Tensor& shift, const OptTensor& w,
+                               const OptTensor& b, bool one_plus_scale, int64_t dtype_code) {
     const auto dtype = static_cast<at::ScalarType>(dtype_code);
+    const Tensor weight = w.value_or(Tensor()), bias = b.value_or(Tensor());
     // 1 + scale in one kernel: fp32 ones promote the sum to fp32
     const Tensor g = one_plus_scale ? at::add(scale, constant(1.0, scale.size(-1), kF32, scale.device()))
                                     : scale.to(kF32);
@@ -69,8 +71,7 @@ struct AffineFold : torch::autograd::Function<AffineFold> {
 
 std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,
                                        const OptTensor& bias, bool one_plus_scale, at::ScalarType dtype) {
-  auto out = AffineFold::apply(scale, shift, weight.value_or(Tensor()), bias.value_or(Tensor()), one_plus_scale,
-                               static_cast<int64_t>(dtype));
+  auto out = AffineFold::apply(scale, shift, weight, bias, one_plus_scale, static_cast<int64_t>(dtype));
   return {out[0], out[1]};
 }
 
