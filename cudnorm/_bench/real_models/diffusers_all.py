@@ -4,14 +4,17 @@ Where :mod:`.diffusers_models` writes four models out by hand, this table derive
 :class:`RealModel` for each class of ``diffusers.models.transformers`` (and the
 ``*Transformer*Model`` classes of diffusers' top level) generically:
 
-* config: the class's ``__init__`` defaults (mostly the published widths; see :data:`NOT_PUBLISHED`)
+* config: the class's ``__init__`` defaults (mostly the published widths; see :data:`NOT_PUBLISHED`),
+  with the published checkpoint's values where a default is None or not its width
+  (:data:`.diffusers_inputs.CONFIGS`),
   with every depth field (:func:`_is_depth`) cut to 1 and layer-index lists cut to match; the
   quick (CPU) mode also cuts every head count to 2 (head sizes kept, so rotary axes still sum
   to them) and a ``hidden_size``-like width with it;
 * inputs: from ``inspect.signature(cls.forward)``: each required argument, and the optional
   ones a pipeline passes (pooled projections, ids, guidance, masks), by name (:data:`_KNOWN`),
-  with shapes from the config; the latent is ``[B, C, H, W]``, ``[B, C, F, H, W]`` for the
-  ``3D`` classes, or packed ``[B, H * W, C]`` for the classes taking ``img_ids``/``img_shapes``;
+  with shapes from the config, and a class's own arguments (:data:`.diffusers_inputs.INPUTS`); the
+  latent is ``[B, C, H, W]``, ``[B, C, F, H, W]`` for the ``3D`` classes, or packed ``[B, H * W, C]``
+  for the classes taking ``img_ids``/``img_shapes`` (exceptions: :data:`.diffusers_inputs.LAYOUT`);
 * sizes: 512 px images (64 x 64 latents) and 4-frame 32 x 32 video latents, 128 text tokens,
   B 2 images or B 1 video (sampling at twice that, CFG); quick: 8 x 8 latents, 8 text tokens.
 
@@ -34,21 +37,20 @@ from typing import Any
 
 import torch
 
+from . import diffusers_inputs
 from .diffusers_models import FLUX_SDPA
 from .spec import RealModel
 
 PREFIX = "diffusers-all:"
 
-# On diffusers 0.42.1: 76 classes found; 64 built (at the run's widths and at toy widths) with
-# norms cudnorm.patch swaps; 12 skipped: 10 cannot be built from their defaults (a required
-# width such as in_channels defaults to None: DreamLite, Dual, EasyAnimate, HiDreamImage,
-# HunyuanDiT, Latte, LuminaNextDiT, OmniGen, Transformer2DModel, TransformerTemporal), 2 have no
-# norm the patch swaps (Krea2, StableAudio3DiT). Of the 64, the generic inputs run 25 on the CPU at
-# toy widths (Bria, Chroma, ChronoEdit, CogVideoX, CogView3Plus, CogView4, ConsisID, DiT, Flux, Flux2,
-# Flux3, Helios, HunyuanImage, HunyuanVideo, JoyImageEdit, LongCatImage, Lumina2, Mochi, MotifVideo,
-# NucleusMoEImage, OvisImage, PixArt, QwenImage, SkyReelsV2, Wan); others only at the run's widths
-# (Allegro, AuraFlow, SD3, Sana, SanaVideo: the toy widths break a projection); about 30 need an
-# argument no rule makes (r_timestep, text_bth, position_ids, cap_feats...) and are reported skipped.
+# On diffusers 0.42.1: 76 classes found; 73 built (at the run's widths and at toy widths) with norms
+# cudnorm.patch swaps, 9 of them from the published configs of diffusers_inputs.CONFIGS; 3 skipped:
+# DualTransformer2DModel cannot be built (a pair of Transformer2DModels, no widths of its own), Krea2
+# and StableAudio3DiT have no norm the patch swaps. Of the 73, the generic inputs with
+# diffusers_inputs.INPUTS run 47 on the CPU at toy widths (forward and backward); others only at the
+# run's widths (Allegro, AuraFlow, SD3, Sana, SanaVideo: the toy widths break a projection); Cosmos
+# needs torchvision; about 20 need an argument or shape no rule makes (timestep_r, r_timestep,
+# audio_hidden_states, position_ids...) and are reported skipped.
 
 #: the classes ``--quick`` runs, one per family (DiT, Wan, CogView, QwenImage; Flux.1's is
 #: diffusers-flux.1-dev's): about 10-20 s each on 2 CPU cores, both modes, four providers; the
@@ -69,7 +71,8 @@ _HEADS = re.compile(r"^(num_.*heads|n_.*heads|nheads|num_heads|dit_heads|.*_num_
                     r"num_key_value.*heads)$")
 # the text encoder width a model's encoder_hidden_states have, by config field, first found wins
 _TEXT_DIM = ("joint_attention_dim", "caption_channels", "cross_attention_dim", "text_embed_dim", "text_dim",
-             "caption_dim", "context_dim", "text_hidden_dim", "encoder_hidden_size", "text_in_dim", "cap_feat_dim")
+             "caption_dim", "context_dim", "text_hidden_dim", "encoder_hidden_size", "text_in_dim", "cap_feat_dim",
+             "in_text_dim", "context_in_dim", "dit_text_dim")
 _IN_CHANNELS = ("in_channels", "in_dim", "latent_channels", "in_channel", "input_dim")
 
 
@@ -115,8 +118,9 @@ def defaults(cls: type) -> dict:
 
 
 def shrink(cls: type, toy: bool) -> dict:
-    """``cls``'s default config with one layer of each kind (toy: also 2 heads of each kind)."""
-    config = defaults(cls)
+    """``cls``'s default config (with the published values of :data:`.diffusers_inputs.CONFIGS`)
+    with one layer of each kind (toy: also 2 heads of each kind)."""
+    config = diffusers_inputs.configure(cls.__name__, defaults(cls))
     changed = {}
     for name, value in config.items():
         if _is_depth(name, value):
@@ -133,9 +137,13 @@ def shrink(cls: type, toy: bool) -> dict:
             value = config.get(width)
             if heads and isinstance(value, int) and value % config[heads] == 0:
                 changed[width] = value // config[heads] * 2
+        # a text width that is the inner width (PixArt-style caption projections into it) shrinks with it
+        head_dim = config.get("attention_head_dim")
+        if heads and isinstance(head_dim, int) and config.get("cross_attention_dim") == config[heads] * head_dim:
+            changed["cross_attention_dim"] = 2 * head_dim
         if isinstance(config.get("sample_size"), int):
             changed["sample_size"] = 8
-    return {**config, **changed}
+    return diffusers_inputs.after_shrink(cls.__name__, {**config, **changed})
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -152,17 +160,9 @@ def _patch(config: dict) -> tuple[int, int]:
     return config.get("patch_size_t") or 1, p or 1
 
 
-# classes whose latent the rules of _layout get wrong: video latents frames first, [B, F, C, H, W]
-_LAYOUT = {"CogVideoXTransformer3DModel": "frames-first", "ConsisIDTransformer3DModel": "frames-first"}
-
-
-# classes whose text mask is not a float one: Lumina 2 counts its tokens (.sum().tolist()) to size tensors
-_MASK_DTYPES = {"Lumina2Transformer2DModel": torch.bool}
-
-
 def _layout(cls: type) -> str:
-    if cls.__name__ in _LAYOUT:
-        return _LAYOUT[cls.__name__]
+    if cls.__name__ in diffusers_inputs.LAYOUT:
+        return diffusers_inputs.LAYOUT[cls.__name__]
     params = inspect.signature(cls.forward).parameters
     if "img_ids" in params or "img_shapes" in params:
         return "packed"
@@ -183,7 +183,9 @@ def _sizes(config: dict, cls: type, toy: bool) -> dict:
     side = max(side, 2 * p)
     # a model whose positional table spans a fixed caption length (CogVideoX's max_text_seq_length) takes that many
     text = config.get("max_text_seq_length") or (8 if toy else 128)
-    return {"side": side - side % p, "frames": 2 * t if toy else 4 * t, "text": text, "layout": layout}
+    # and one whose temporal table spans a fixed frame count (Latte's video_length) that many frames
+    frames = config.get("video_length") or (2 * t if toy else 4 * t)
+    return {"side": side - side % p, "frames": frames, "text": text, "layout": layout}
 
 
 def _ids(side: int, text: int, axes: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,12 +220,12 @@ def make_inputs(cls: type, config: dict, batch: int, device, dtype, gen, toy: bo
     made = {
         "timestep": lambda: torch.rand(batch, generator=gen, device=device, dtype=dtype) * 999,
         "encoder_hidden_states": lambda: randn(batch, text, text_dim),
-        "pooled_projections": lambda: randn(batch, _field(config, ("pooled_projection_dim",), 64)),
+        "pooled_projections": lambda: randn(batch, _field(config, ("pooled_projection_dim", "in_text_dim2"), 64)),
         "img_ids": lambda: img_ids,
         "txt_ids": lambda: txt_ids,
         "guidance": lambda: torch.full((batch,), 3.5, device=device, dtype=dtype),
         "encoder_attention_mask": lambda: torch.ones(batch, text, device=device,
-                                                     dtype=_MASK_DTYPES.get(cls.__name__, dtype)),
+                                                     dtype=diffusers_inputs.MASK_DTYPES.get(cls.__name__, dtype)),
         "class_labels": lambda: torch.randint(0, _field(config, ("num_embeds_ada_norm", "num_classes"), 10),
                                               (batch,), generator=gen, device=device),
         # PixArt's micro-conditions (read where use_additional_conditions: the 1024 px default)
@@ -234,6 +236,10 @@ def make_inputs(cls: type, config: dict, batch: int, device, dtype, gen, toy: bo
         "original_size": lambda: torch.full((batch, 2), side * 8, device=device, dtype=dtype),
         "crop_coords": lambda: torch.zeros(batch, 2, device=device, dtype=dtype),
     }
+    # the class's own arguments (diffusers_inputs.INPUTS) replace or add to the generic ones
+    maker = diffusers_inputs.INPUTS.get(cls.__name__)
+    own = maker(diffusers_inputs.Inputs(config, batch, side, frames, text, toy, device, dtype, gen, latent)) \
+        if maker else {}
     made["target_size"] = made["original_size"]
     made["timesteps"] = made["t"] = made["timestep"]
     # arguments a pipeline passes where the model has their part (optional in the signature)
@@ -246,6 +252,9 @@ def make_inputs(cls: type, config: dict, batch: int, device, dtype, gen, toy: bo
         if name in ("self", "return_dict") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         required = param.default is inspect.Parameter.empty
+        if name in own:
+            kwargs[name], first = own[name], False
+            continue
         if first:
             kwargs[name], first = latent, False
             continue
@@ -327,7 +336,7 @@ def spec(model: str) -> RealModel:
     video = _video(_layout(cls))
 
     def build(config: dict) -> torch.nn.Module:
-        return cls(**config)
+        return diffusers_inputs.build(cls, config)
 
     def inputs(config, batch, device, dtype, gen):
         return make_inputs(cls, config, batch, device, dtype, gen, toy=config is toy)
