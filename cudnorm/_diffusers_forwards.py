@@ -192,19 +192,34 @@ def _modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 
 # ---------------------------------------------------------------- forwards of diffusers' other classes
 
-def _cogvideox_layer_norm_zero(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                               temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """diffusers' ``CogVideoXLayerNormZero.forward`` (CogVideoX, ConsisID) on cudnorm: ``temb [B, C]``
-    projects to the shift, scale and gate of the video tokens ``hidden_states [B, S, D]`` and of
-    the text tokens ``encoder_hidden_states [B, T, D]``; each modulated LayerNorm is one
-    :func:`cudnorm.ada_layer_norm` call (the norm's affine weight and bias folded in). Returns
-    ``(hidden_states, encoder_hidden_states, gate [B, 1, D], enc_gate [B, 1, D])``."""
-    cls = "CogVideoXLayerNormZero"
+def _layer_norm_zero_pair(cls: str, self, hidden_states, encoder_hidden_states, temb):
+    """``(hidden_states, encoder_hidden_states, gate, enc_gate)`` of a zero-initialised AdaLN over
+    two token streams sharing one norm: ``temb [B, C]`` projects to the shift, scale and gate of
+    the video or image tokens ``hidden_states [B, S, D]`` and of the text tokens
+    ``encoder_hidden_states [B, T, D]``; each modulated LayerNorm is one
+    :func:`cudnorm.ada_layer_norm` call (the norm's affine weight and bias folded in). Gates ``[B, D]``."""
     _input(cls, "encoder_hidden_states", encoder_hidden_states)
     shift, scale, gate, enc_shift, enc_scale, enc_gate = _chunks(cls, self, hidden_states, "hidden_states", temb, 6)
     norm = self.norm
     return (_modulate(norm, hidden_states, scale, shift), _modulate(norm, encoder_hidden_states, enc_scale, enc_shift),
-            gate[:, None, :], enc_gate[:, None, :])
+            gate, enc_gate)
+
+
+def _cogvideox_layer_norm_zero(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                               temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``CogVideoXLayerNormZero.forward`` (CogVideoX, ConsisID) on cudnorm
+    (:func:`_layer_norm_zero_pair`); its gates come as ``[B, 1, D]``."""
+    h, enc, gate, enc_gate = _layer_norm_zero_pair("CogVideoXLayerNormZero", self, hidden_states,
+                                                   encoder_hidden_states, temb)
+    return h, enc, gate[:, None, :], enc_gate[:, None, :]
+
+
+def _easyanimate_layer_norm_zero(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                                 temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """diffusers' ``EasyAnimateLayerNormZero.forward`` on cudnorm (:func:`_layer_norm_zero_pair`):
+    CogVideoX's with gates ``[B, D]`` and an ``FP32LayerNorm`` by default (diffusers rounds its
+    output to x's dtype before modulating; the fused op modulates in fp32 and rounds once)."""
+    return _layer_norm_zero_pair("EasyAnimateLayerNormZero", self, hidden_states, encoder_hidden_states, temb)
 
 
 def _ada_layer_norm_shift(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:

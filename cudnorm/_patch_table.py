@@ -119,6 +119,7 @@ CLASSES = {
     "adaln_continuous": (f"{_NORMALIZATION}.AdaLayerNormContinuous",),
     "adaln": (f"{_NORMALIZATION}.AdaLayerNorm",),
     "cogvideox_adaln_zero": (f"{_NORMALIZATION}.CogVideoXLayerNormZero",),
+    "easyanimate_adaln_zero": ("diffusers.models.transformers.transformer_easyanimate.EasyAnimateLayerNormZero",),
     "adaln_shift": ("diffusers.models.transformers.hunyuan_transformer_2d.AdaLayerNormShift",),
     "sana_modulated_norm": ("diffusers.models.transformers.sana_transformer.SanaModulatedNorm",),
     # diffusers' modulated RMSNorms, on cudnorm.ada_rms_norm
@@ -180,6 +181,9 @@ LEFT = {
         "diffusion_gemma.DiffusionGemmaRMSNorm", "embedding_gemma2.EmbeddingGemma2RMSNorm", "gemma3n.Gemma3nRMSNorm",
         "gemma4.Gemma4RMSNorm", "gemma4_unified.Gemma4UnifiedRMSNorm", "muse_glimmer.MuseGlimmerRMSNorm",
         "muse_spark.MuseSparkRMSNorm", "neomme.NeoMMERMSNorm"), _GEMMA_4),
+    "torch.nn.modules.normalization.GroupNorm": (
+        "normalises groups of channels ([B, C, *] statistics over C / groups channels and every position), not "
+        "the last dims, which is all cudnorm's ops normalise (diffusers' UNet-style blocks: proj_in's input norm)"),
     f"{_NORMALIZATION}.AdaLayerNormSingle": (
         "normalises nothing: PixArt's timestep embedding and modulation linear (the blocks' nn.LayerNorms "
         "it modulates are swapped)"),

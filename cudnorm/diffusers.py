@@ -46,6 +46,7 @@ import torch
 from ._diffusers_forwards import (_ada_layer_norm_shift, _audio_dit_adaln_zero_final, _chroma_adaln_continuous_pruned,
                                   _chroma_adaln_zero_pruned, _chroma_adaln_zero_single_pruned, _chunks,
                                   _cogvideox_layer_norm_zero, _cogview3plus_adaln_zero_text_image,
+                                  _easyanimate_layer_norm_zero,
                                   _cogview4_adaln_continuous, _cogview4_adaln_zero, _cosmos_adaln, _cosmos_adaln_zero,
                                   _choice, _eps, _fail, _flag, _input, _int, _lumina_layer_norm_continuous,
                                   _lumina_rms_norm_zero, _mochi_modulated_rms_norm, _mochi_rms_norm_zero, _modulate,
@@ -367,6 +368,8 @@ FUSED = {
                                                       ("layer_norm", "rms_norm")),
     f"{_NORMALIZATION}.AdaLayerNorm": Fused(AdaLayerNorm.forward, _ADALN | {"emb"}),
     f"{_NORMALIZATION}.CogVideoXLayerNormZero": Fused(_cogvideox_layer_norm_zero, _ADALN),
+    "diffusers.models.transformers.transformer_easyanimate.EasyAnimateLayerNormZero": Fused(
+        _easyanimate_layer_norm_zero, _ADALN),
     "diffusers.models.transformers.hunyuan_transformer_2d.AdaLayerNormShift": Fused(_ada_layer_norm_shift, _ADALN),
     "diffusers.models.transformers.sana_transformer.SanaModulatedNorm": Fused(_sana_modulated_norm,
                                                                              frozenset(("norm",))),

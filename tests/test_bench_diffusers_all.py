@@ -140,15 +140,7 @@ def test_every_class_patches_or_says_why():
         generic = sorted({c.rpartition(".")[2] for _, c, why in report.left if why.startswith("no cudnorm formula")})
         if generic:
             unexplained[name] = generic
-    assert unexplained == UNEXPLAINED, unexplained
-
-
-# what cudnorm.patch leaves without a reason on the classes diffusers_inputs.CONFIGS made buildable: a
-# UNet block's GroupNorm (proj_in's input norm) and EasyAnimate's own AdaLN; the reasons belong to
-# cudnorm.patch (issue 47), so this lists them until it gives them, and fails once it does
-UNEXPLAINED = {"DreamLiteTransformer2DModel": ["GroupNorm"],
-               "EasyAnimateTransformer3DModel": ["EasyAnimateLayerNormZero"],
-               "TransformerTemporalModel": ["GroupNorm"]}
+    assert not unexplained, unexplained
 
 
 # the classes the per-class tables (diffusers_inputs) make run: a published config where the defaults

@@ -198,6 +198,11 @@ def _adaln_cases():
              for case, (name, a, k, inputs) in compat.CASES.items()}
     cases["cogvideox"] = (lambda: normalization.CogVideoXLayerNormZero(c, d),
                           lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
+    easyanimate = importlib.import_module("diffusers.models.transformers.transformer_easyanimate")
+    cases["easyanimate"] = (lambda: easyanimate.EasyAnimateLayerNormZero(c, d),
+                            lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
+    cases["easyanimate-layer-norm"] = (lambda: easyanimate.EasyAnimateLayerNormZero(c, d, norm_type="layer_norm"),
+                                       lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cases["hunyuan-shift"] = (lambda: hunyuan.AdaLayerNormShift(d),
                               lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
     cases["sana"] = (lambda: sana.SanaModulatedNorm(d),
@@ -283,6 +288,7 @@ def _outputs(module, args, kwargs):
 ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-x", "continuous-defaults",
                "continuous-models", "continuous-affine-no-bias", "continuous-rms", "continuous-rms-plain",
                "adaln-timestep", "adaln-shared-affine", "adaln-chunk1", "adaln-chunk1-affine", "cogvideox",
+               "easyanimate", "easyanimate-layer-norm",
                "hunyuan-shift", "sana", "lumina-zero", "lumina-continuous", "lumina-continuous-rms", "mochi-zero", "mochi-modulated", "mochi-modulated-plain",
                "chroma-zero", "chroma-zero-single", "chroma-continuous", "chroma-continuous-rms", "cogview4-zero",
                "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
