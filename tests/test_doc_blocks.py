@@ -68,11 +68,13 @@ def test_every_block_has_a_known_language_and_place():
 
 
 def source_files(root: Path) -> list[str]:
-    """The source tree's files under ``root``, relative to it: git's tracked files in a git
-    checkout; in a tree without git (a release tarball, ``git archive``), every file but what
-    its .gitignore names (caches, build outputs)."""
+    """The source tree's files under ``root``, relative to it: in a git checkout the files git
+    tracks and those it does not ignore (a file added since the last commit, or a copy of a
+    working tree whose git index is older than its files); in a tree without git (a release
+    tarball, ``git archive``), every file but what its .gitignore names (caches, build outputs)."""
     if (root / ".git").exists():
-        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout
         return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
     ignore = root / ".gitignore"
     patterns = [line.strip().strip("/") for line in ignore.read_text().splitlines()

@@ -17,73 +17,52 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// `t` in `dtype`; `copy`: a new tensor even where it has that dtype (a custom function must not
-// return an input as it is)
-Tensor as(const Tensor& t, at::ScalarType dtype, bool copy = false) { return t.to(dtype, false, copy); }
+const auto kF32 = at::kFloat;
 
-// `t` summed over the dims it broadcasts over, down to `shape`: a reshape where nothing is summed
-// (one sample: the [1, 1, D] gradient of a [D] parameter)
-Tensor summed_to(const Tensor& t, c10::IntArrayRef shape) {
-  if (t.numel() == c10::multiply_integers(shape)) return t.reshape(shape);
-  return at::sum_to(t, shape);
-}
+// `t` in `dtype`, always a new tensor: a custom function must not return its input as is
+Tensor fresh(const Tensor& t, at::ScalarType dtype) { return t.to(dtype, false, /*copy=*/true); }
 
-// Each product is one multiply-add kernel (addcmul: computed in fp32, rounded once): w * (1 + s)
-// is w + w * s, and b * (1 + s) + t is (t + b) + b * s. Kernel launches are the cost that
-// matters here ([B, D] elements; a host-bound step pays each launch), so the forward takes 2-3
-// and the backward 3-4, where the fp32 formula takes 6 and 12.
 struct AffineFold : torch::autograd::Function<AffineFold> {
-  // scale, shift: [B, 1.., D] (per sample) or [D] (shared), one shape; w, b: [D] or absent (an
-  // absent one is an empty optional: Function::apply takes no undefined tensor)
+  // scale, shift: [B, 1.., D] (per sample) or [D] (shared), one shape; weight, bias: [D] or
+  // undefined. Computed in fp32, each result rounded once to `dtype`.
+  // (an absent weight or bias is an empty optional: Function::apply takes no undefined tensor)
   static variable_list forward(AutogradContext* ctx, const Tensor& scale, const Tensor& shift, const OptTensor& w,
                                const OptTensor& b, bool one_plus_scale, int64_t dtype_code) {
     const auto dtype = static_cast<at::ScalarType>(dtype_code);
     const Tensor weight = w.value_or(Tensor()), bias = b.value_or(Tensor());
-    Tensor gain;
-    if (!weight.defined()) {
-      gain = one_plus_scale ? as(at::add(scale, 1.0), dtype) : as(scale, dtype, true);
-    } else {
-      gain = as(one_plus_scale ? at::addcmul(weight, weight, scale) : at::mul(weight, scale), dtype);
-    }
-    Tensor folded;
-    if (!bias.defined()) {
-      folded = as(shift, dtype, true);
-    } else {
-      folded = as(one_plus_scale ? at::addcmul(at::add(shift, bias), bias, scale) : at::addcmul(shift, bias, scale),
-                  dtype);
-    }
-    ctx->save_for_backward({scale, weight, bias});
-    ctx->saved_data["dit"] = one_plus_scale;
+    // 1 + scale in one kernel: fp32 ones promote the sum to fp32
+    const Tensor g = one_plus_scale ? at::add(scale, constant(1.0, scale.size(-1), kF32, scale.device()))
+                                    : scale.to(kF32);
+    Tensor gain = weight.defined() ? at::mul(g, weight).to(dtype) : fresh(g, dtype);
+    Tensor folded = bias.defined() ? at::addcmul(shift, bias, g).to(dtype) : fresh(shift, dtype);
+    ctx->save_for_backward({g, weight, bias});
+    ctx->saved_data["scale"] = static_cast<int64_t>(scale.scalar_type());
     ctx->saved_data["shift"] = static_cast<int64_t>(shift.scalar_type());
     return {gain, folded};
   }
 
-  // d gain / d scale = w, d folded / d scale = b, d folded / d shift = 1; d gain / d w =
-  // 1 + s and d folded / d b = 1 + s, summed over the samples
+  // d gain / d scale = w, d shift' / d scale = b, d shift' / d shift = 1; the parameters'
+  // gradients sum over the samples
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &scale = saved[0], &weight = saved[1], &bias = saved[2];
-    const bool dit = ctx->saved_data["dit"].toBool();
-    const Tensor &dgain = grads[0], &dfolded = grads[1];
-    // g * (1 + s) (or g * s) as one kernel, summed to the parameter's shape, in its dtype (an
-    // fp32 parameter's gradient computed in fp32)
-    auto param_grad = [&](const Tensor& g_in, const Tensor& param) {
-      const Tensor g = as(g_in, at::promote_types(g_in.scalar_type(), param.scalar_type()));
-      return as(summed_to(dit ? at::addcmul(g, g, scale) : at::mul(g, scale), param.sizes()), param.scalar_type());
-    };
+    const Tensor &g = saved[0], &weight = saved[1], &bias = saved[2];
+    const Tensor dgain = grads[0].defined() ? grads[0].to(kF32) : Tensor();
+    const Tensor dfolded = grads[1].defined() ? grads[1].to(kF32) : Tensor();
     Tensor dscale, dshift, dweight, dbias;
     if (dgain.defined()) {
       dscale = weight.defined() ? at::mul(dgain, weight) : dgain;
-      if (weight.defined()) dweight = param_grad(dgain, weight);
+      if (weight.defined()) dweight = at::sum_to(at::mul(dgain, g), weight.sizes()).to(weight.scalar_type());
     }
     if (dfolded.defined()) {
       if (bias.defined()) {
         dscale = dscale.defined() ? at::addcmul(dscale, dfolded, bias) : at::mul(dfolded, bias);
-        dbias = param_grad(dfolded, bias);
+        dbias = at::sum_to(at::mul(dfolded, g), bias.sizes()).to(bias.scalar_type());
       }
-      dshift = as(dfolded, static_cast<at::ScalarType>(ctx->saved_data["shift"].toInt()));
+      dshift = dfolded.to(static_cast<at::ScalarType>(ctx->saved_data["shift"].toInt()));
     }
-    if (dscale.defined()) dscale = as(summed_to(dscale, scale.sizes()), scale.scalar_type());
+    if (dscale.defined()) {
+      dscale = at::sum_to(dscale, g.sizes()).to(static_cast<at::ScalarType>(ctx->saved_data["scale"].toInt()));
+    }
     return {dscale, dshift, dweight, dbias, Tensor(), Tensor()};
   }
 };
