@@ -46,11 +46,12 @@ PREFIX = "diffusers-all:"
 # On diffusers 0.42.1: 76 classes found; 73 built (at the run's widths and at toy widths) with norms
 # cudnorm.patch swaps, 9 of them from the published configs of diffusers_inputs.CONFIGS; 3 skipped:
 # DualTransformer2DModel cannot be built (a pair of Transformer2DModels, no widths of its own), Krea2
-# and StableAudio3DiT have no norm the patch swaps. Of the 73, the generic inputs with
-# diffusers_inputs.INPUTS run 47 on the CPU at toy widths (forward and backward); others only at the
-# run's widths (Allegro, AuraFlow, SD3, Sana, SanaVideo: the toy widths break a projection); Cosmos
-# needs torchvision; about 20 need an argument or shape no rule makes (timestep_r, r_timestep,
-# audio_hidden_states, position_ids...) and are reported skipped.
+# and StableAudio3DiT have no norm the patch swaps. Of the 73, the generic inputs with the per-class
+# tables (diffusers_inputs, diffusers_inputs_av) run 61 on the CPU at toy widths (forward and backward).
+# The other 12: AnyFlow-FAR's inputs are made but FlexAttention has no CPU backward; Cosmos needs
+# torchvision; Ideogram4, Kandinsky6 (and SR), LongCatAudioDiT, MiniMaxH3, MiniMaxMusic3 (and its RVQ
+# decoder), RFD4Proteina, SanaWM and its LTX-2 refiner need an argument or shape no rule makes yet
+# (mRoPE and segment ids, channel layouts, masks and camera inputs) and are reported skipped.
 
 #: the classes ``--quick`` runs, one per family (DiT, Wan, CogView, QwenImage; Flux.1's is
 #: diffusers-flux.1-dev's): about 10-20 s each on 2 CPU cores, both modes, four providers; the
@@ -137,13 +138,15 @@ def shrink(cls: type, toy: bool) -> dict:
             value = config.get(width)
             if heads and isinstance(value, int) and value % config[heads] == 0:
                 changed[width] = value // config[heads] * 2
-        # a text width that is the inner width (PixArt-style caption projections into it) shrinks with it
+        # a text width that is the inner width (PixArt-style caption projections into it, SD3's and AuraFlow's
+        # caption_projection_dim, which their joint attention concatenates with the image tokens) shrinks with it
         head_dim = config.get("attention_head_dim")
-        if heads and isinstance(head_dim, int) and config.get("cross_attention_dim") == config[heads] * head_dim:
-            changed["cross_attention_dim"] = 2 * head_dim
+        for inner in ("cross_attention_dim", "caption_projection_dim"):
+            if heads and isinstance(head_dim, int) and config.get(inner) == config[heads] * head_dim:
+                changed[inner] = 2 * head_dim
         if isinstance(config.get("sample_size"), int):
             changed["sample_size"] = 8
-    return diffusers_inputs.after_shrink(cls.__name__, {**config, **changed})
+    return diffusers_inputs.after_shrink(cls.__name__, {**config, **changed}, toy)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -269,14 +272,16 @@ def make_inputs(cls: type, config: dict, batch: int, device, dtype, gen, toy: bo
         if name not in made:
             raise ValueError(f"no rule makes its forward's argument {name!r}")
         kwargs[name] = made[name]()
-    return kwargs
+    latent_arg = diffusers_inputs.LATENT_ARG.get(cls.__name__)
+    return {latent_arg: kwargs.pop(latent_arg), **kwargs} if latent_arg else kwargs
 
 
 def output(result) -> torch.Tensor:
-    """The tensor of a forward's result (``.sample``, a tuple's first item, or itself)."""
+    """The tensor of a forward's result (``.sample``, a tuple's or another output's first item (the
+    prior's ``predicted_image_embedding``), or itself)."""
     if hasattr(result, "sample"):
         return result.sample
-    return result[0] if isinstance(result, (tuple, list)) else result
+    return result[0] if isinstance(result, (tuple, list)) or hasattr(result, "to_tuple") else result
 
 
 def _width(config: dict) -> int:

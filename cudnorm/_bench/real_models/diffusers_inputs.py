@@ -11,10 +11,12 @@ kept at every width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from . import diffusers_inputs_av
+from .diffusers_step import Inputs
 
 # ------------------------------------------------------------------------------ configs
 
@@ -67,6 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                            "cross_attention_dim": 1152, "norm_type": "ada_norm_single",
                            "num_embeds_ada_norm": 1000, "activation_fn": "gelu-approximate",
                            "norm_elementwise_affine": False, "norm_eps": 1e-6, "attention_bias": True},
+    **diffusers_inputs_av.CONFIGS,
 }
 
 
@@ -78,7 +81,8 @@ def _hidream_layers(config: dict) -> dict:
 
 
 #: ``config -> changes`` run after depth shrinking, for fields that count layers
-AFTER_SHRINK: dict[str, Callable[[dict], dict]] = {"HiDreamImageTransformer2DModel": _hidream_layers}
+AFTER_SHRINK: dict[str, Callable[[dict], dict]] = {"HiDreamImageTransformer2DModel": _hidream_layers,
+                                                 **diffusers_inputs_av.AFTER_SHRINK}
 
 
 def configure(name: str, config: dict) -> dict:
@@ -86,8 +90,14 @@ def configure(name: str, config: dict) -> dict:
     return {**config, **CONFIGS.get(name, {})}
 
 
-def after_shrink(name: str, config: dict) -> dict:
-    return {**config, **AFTER_SHRINK[name](config)} if name in AFTER_SHRINK else config
+def after_shrink(name: str, config: dict, toy: bool = False) -> dict:
+    """``config`` after depth shrinking, with :data:`AFTER_SHRINK`'s changes (and, toy, those of
+    :data:`.diffusers_inputs_av.TOY`)."""
+    if name in AFTER_SHRINK:
+        config = {**config, **AFTER_SHRINK[name](config)}
+    if toy and name in diffusers_inputs_av.TOY:
+        config = {**config, **diffusers_inputs_av.TOY[name](config)}
+    return config
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -95,38 +105,13 @@ def after_shrink(name: str, config: dict) -> dict:
 #: classes whose latent the rules of ``diffusers_all._layout`` get wrong: video latents frames
 #: first, ``[B, F, C, H, W]``; HiDream takes img_ids but patchifies a ``[B, C, H, W]`` latent itself
 LAYOUT = {"CogVideoXTransformer3DModel": "frames-first", "ConsisIDTransformer3DModel": "frames-first",
-          "HiDreamImageTransformer2DModel": "image"}
+          "HiDreamImageTransformer2DModel": "image", **diffusers_inputs_av.LAYOUT}
+
+#: the argument that is a class's latent where it is not its forward's first (see diffusers_inputs_av)
+LATENT_ARG = diffusers_inputs_av.LATENT_ARG
 
 #: classes whose text mask is not a float one: Lumina 2 counts its tokens (.sum().tolist()) to size tensors
 MASK_DTYPES = {"Lumina2Transformer2DModel": torch.bool}
-
-@dataclass
-class Inputs:
-    """What an input maker knows of a step."""
-
-    config: dict
-    batch: int
-    side: int  # latent side (packed layouts: tokens per side)
-    frames: int
-    text: int  # text tokens
-    toy: bool
-    device: Any
-    dtype: torch.dtype
-    gen: torch.Generator | None
-    latent: torch.Tensor
-
-    def randn(self, *shape) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen, device=self.device, dtype=self.dtype)
-
-    def ones(self, *shape, dtype=None) -> torch.Tensor:
-        return torch.ones(shape, device=self.device, dtype=dtype or self.dtype)
-
-    def zeros(self, *shape, dtype=None) -> torch.Tensor:
-        return torch.zeros(shape, device=self.device, dtype=dtype or self.dtype)
-
-    def timestep(self) -> torch.Tensor:
-        return torch.rand(self.batch, generator=self.gen, device=self.device, dtype=self.dtype) * 999
-
 
 def _hunyuan_dit(c: Inputs) -> dict:
     from diffusers.models.embeddings import get_2d_rotary_pos_embed  # noqa: PLC0415
@@ -276,6 +261,7 @@ INPUTS: dict[str, Callable[[Inputs], dict]] = {
     "QwenImage21Transformer2DModel": _qwen_image21,
     "ErnieImageTransformer2DModel": _ernie_image,
     "ZImageTransformer2DModel": _z_image,
+    **diffusers_inputs_av.INPUTS,
 }
 
 
@@ -294,7 +280,8 @@ class _PerSample(torch.nn.Module):
 
 
 #: classes built inside an adapter module (see each)
-WRAPPERS: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {"ZImageTransformer2DModel": _PerSample}
+WRAPPERS: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {"ZImageTransformer2DModel": _PerSample,
+                                                                 **diffusers_inputs_av.WRAPPERS}
 
 
 def build(cls: type, config: dict) -> torch.nn.Module:
