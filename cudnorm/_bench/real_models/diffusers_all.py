@@ -146,7 +146,7 @@ def shrink(cls: type, toy: bool) -> dict:
                 changed[inner] = 2 * head_dim
         if isinstance(config.get("sample_size"), int):
             changed["sample_size"] = 8
-    return diffusers_inputs.after_shrink(cls.__name__, {**config, **changed}, toy)
+    return diffusers_inputs.after_shrink(cls.__name__, {**config, **changed})
 
 
 # ------------------------------------------------------------------------------ inputs

@@ -69,7 +69,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
                            "cross_attention_dim": 1152, "norm_type": "ada_norm_single",
                            "num_embeds_ada_norm": 1000, "activation_fn": "gelu-approximate",
                            "norm_elementwise_affine": False, "norm_eps": 1e-6, "attention_bias": True},
-    **diffusers_inputs_av.CONFIGS,
 }
 
 
@@ -90,13 +89,10 @@ def configure(name: str, config: dict) -> dict:
     return {**config, **CONFIGS.get(name, {})}
 
 
-def after_shrink(name: str, config: dict, toy: bool = False) -> dict:
-    """``config`` after depth shrinking, with :data:`AFTER_SHRINK`'s changes (and, toy, those of
-    :data:`.diffusers_inputs_av.TOY`)."""
+def after_shrink(name: str, config: dict) -> dict:
+    """``config`` after depth shrinking, with :data:`AFTER_SHRINK`'s changes."""
     if name in AFTER_SHRINK:
         config = {**config, **AFTER_SHRINK[name](config)}
-    if toy and name in diffusers_inputs_av.TOY:
-        config = {**config, **diffusers_inputs_av.TOY[name](config)}
     return config
 
 

@@ -1,22 +1,19 @@
 """Per-class tables of ``diffusers-all``, second part: the classes whose forward reads more than one
 modality (audio beside video, poses, faces, references) or a sequence layout of its own. Same tables
-as :mod:`.diffusers_inputs` (which merges these into its own): published config values
-(:data:`CONFIGS`, each naming its checkpoint), toy-width overrides (:data:`TOY`) and input makers
-(:data:`INPUTS`, an :class:`~.diffusers_step.Inputs` to keyword arguments)."""
+as :mod:`.diffusers_inputs` (which merges these into its own): changes after depth shrinking
+(:data:`AFTER_SHRINK`) and input makers (:data:`INPUTS`, an :class:`~.diffusers_step.Inputs` to
+keyword arguments)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from .diffusers_step import Inputs
 
 # ------------------------------------------------------------------------------ configs
-
-#: published config values (as :data:`.diffusers_inputs.CONFIGS`)
-CONFIGS: dict[str, dict[str, Any]] = {}
 
 def _wan_animate_face(config: dict) -> dict:
     # a face adapter follows every 5th block, counting from block 0: the one block kept has its adapter
@@ -31,10 +28,6 @@ def _bria_fibo2_injection(config: dict) -> dict:
 #: ``config -> changes`` after depth shrinking (as :data:`.diffusers_inputs.AFTER_SHRINK`)
 AFTER_SHRINK: dict[str, Callable[[dict], dict]] = {"WanAnimateTransformer3DModel": _wan_animate_face,
                                                    "BriaFibo2Transformer2DModel": _bria_fibo2_injection}
-
-#: config values the toy (``--quick``) widths must also change, where shrinking heads to 2 leaves a
-#: width another layer still expects at its published size
-TOY: dict[str, Callable[[dict], dict]] = {}
 
 
 # ------------------------------------------------------------------------------ inputs
