@@ -121,7 +121,23 @@ def test_profile_host_writes_one_profile_per_case_and_provider(tmp_path):
     assert {"torch.txt", "cudnorm.txt"} <= names, profiles
     text = next(p for p in profiles if p.name.endswith("__cudnorm.txt")).read_text()
     assert "native table counters over the step" in text and "tottime" in text
+    ops = next(p for p in profiles if p.name.endswith("__ops.txt")).read_text()  # the op table against torch's
+    assert "cudnorm against torch" in ops and "aten::" in ops
     assert "--profile-host" in (tmp_path / "models.md").read_text()
+
+
+def test_op_table_difference_orders_the_changes():
+    """``<case>__ops.txt``: each provider's own host time per op against PyTorch's step, the total
+    first, then the largest increases and the largest decreases."""
+    from cudnorm._bench import host_profile
+
+    tables = {"torch": {"aten::mm": (100.0, 4.0), "NativeLayerNormBackward0": (30.0, 2.0)},
+              "cudnorm": {"aten::mm": (100.0, 4.0), "CudnormLayerNormBackward": (120.0, 2.0), "aten::copy_": (5.0, 1.0)}}
+    lines = host_profile.difference("case", tables, rows=3).splitlines()
+    assert lines[0].startswith("case: cudnorm against torch") and lines[0].endswith("+0.10 ms")
+    body = [line.split() for line in lines[2:] if line]
+    assert body[0] == ["+120.0", "+2.0", "CudnormLayerNormBackward"] and body[1][2] == "aten::copy_"
+    assert body[-1] == ["-30.0", "-2.0", "NativeLayerNormBackward0"]
 
 
 @needs_native_option

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from . import model_zoo, plots, real_models, report, runner
+from . import host_profile, model_zoo, plots, real_models, report, runner
 from .model_zoo import Case
 from .real_models import RealCase
 from .._progress import progress
@@ -123,7 +123,7 @@ class Settings:
     # of a few ms are host-bound, and a lent host's jitter moved 5-round medians by +-10%
     min_timed_s: float = 3.0
     max_rounds: int = 40
-    # cudnorm bench --models --profile-host: one cProfile'd step per case and provider, written here
+    # cudnorm bench --models --profile-host: host profiles of each case and provider (host_profile), written here
     profile_dir: Path | None = None
 
     def k(self, case: Case | RealCase) -> int:
@@ -566,7 +566,7 @@ def run_case(case: Case | RealCase, providers: list[str], settings: Settings, de
         if live:
             _interleave(case, live, settings, device, rows)
             if settings.profile_dir is not None:
-                _profile_host(case, live, settings.profile_dir, device)
+                host_profile.profile(case, live, settings.profile_dir, device)
         live.clear()
         runner.free(device, collect=True)
         for p in providers:
@@ -581,37 +581,6 @@ def run_case(case: Case | RealCase, providers: list[str], settings: Settings, de
             runner.free(device, collect=True)
     _ratios(rows)
     return list(rows.values())
-
-
-def _profile_host(case, live: dict, out: Path, device: str) -> None:
-    """One step of each provider's workload under cProfile, into ``out/<case>__<provider>.txt``:
-    the 30 functions with the most own time, and the native path's table counters over the
-    step (``resolved`` > 0 means a call signature went back to Python). A step whose host time
-    grew with the patch shows where."""
-    import cProfile  # noqa: PLC0415 - only this option uses them
-    import io
-    import pstats
-
-    from .. import _native  # noqa: PLC0415
-
-    out.mkdir(parents=True, exist_ok=True)
-    for provider, workload in live.items():
-        if device == "cuda":
-            torch.cuda.synchronize()
-        before = _native.counters()
-        profile = cProfile.Profile()
-        profile.enable()
-        workload.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        profile.disable()
-        after = _native.counters()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-        counters = {k: after[k] - before.get(k, 0) for k in after}
-        name = f"{case.id}__{provider}".replace(":", "_").replace("/", "_")
-        (out / f"{name}.txt").write_text(f"{case.id} {provider}: native table counters over the step {counters}\n"
-                                         + text.getvalue())
 
 
 def _ratios(rows: dict[str, dict]) -> None:

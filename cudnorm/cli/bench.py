@@ -92,8 +92,10 @@ def add_arguments(parser) -> None:
                              "run the rest; a case the earlier process died in gets a line saying so")
     parser.add_argument("--profile-host", action="store_true",
                         help="with --models: after timing, profile one step of each case and provider with cProfile "
-                             "(the Python functions it ran, cudnorm's native table hits and misses) into "
-                             "--out/profiles/: where a patched host-bound step spends its host time")
+                             "(the Python functions it ran, cudnorm's native table hits and misses) and a few with "
+                             "torch.profiler (each op's and autograd node's own host time, against PyTorch's step "
+                             "in <case>__ops.txt) into --out/profiles/: where a patched host-bound step spends its "
+                             "host time")
     parser.add_argument("--sweep", nargs="?", const="default", choices=("default", "full"),
                         help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
                              "(cudnorm/_bench/sweep.py); 'full': every dtype, weight dtype and direction")
