@@ -1,6 +1,6 @@
 """Whole diffusers transformer blocks on cudnorm: ``cudnorm.patch(model, blocks=True)``.
 
-diffusers' DiT, PixArt, SD3 and Flux blocks normalise with a plain ``nn.LayerNorm`` and then
+diffusers' DiT, PixArt, SD3, Flux and Sana blocks normalise with a plain ``nn.LayerNorm`` and then
 modulate in the block's own forward, ``norm(h) * (1 + scale[:, None]) + shift[:, None]`` with
 per-sample chunks of the block's conditioning: a LayerNorm and two elementwise kernels forward,
 and their backward, where :func:`cudnorm.ada_layer_norm` is one op each way. Patching the norm
@@ -11,7 +11,8 @@ children in the same order, with each such norm and its modulation one fused op.
   modulation) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
   ``norm2`` with the MLP's, from ``scale_shift_table``);
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
-* ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``).
+* ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``);
+* ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
 once where the block's formula rounds three times (one rounding step of the activation dtype
@@ -208,6 +209,38 @@ def _why_not_flux(block) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- SanaTransformerBlock (Sana)
+
+def _sana_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                timestep: torch.Tensor | None = None, height: int | None = None,
+                width: int | None = None) -> torch.Tensor:
+    """``SanaTransformerBlock.forward``: image tokens ``hidden_states [B, H * W, D]`` ->
+    ``[B, H * W, D]``; PixArt's modulation (``scale_shift_table`` plus the timestep embedding,
+    chunks ``[B, 1, D]``) of ``norm1`` and ``norm2``, the feed-forward a convolution over the
+    ``height x width`` grid."""
+    if not _fusable(self.norm1, self.norm2):
+        return self._cudnorm_unpatched.forward(
+            self, hidden_states, attention_mask=attention_mask, encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask, timestep=timestep, height=height, width=width)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        self.scale_shift_table[None] + timestep.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
+    h = _modulated(self.norm1, hidden_states, scale_msa, shift_msa).to(hidden_states.dtype)
+    hidden_states = hidden_states + gate_msa * self.attn1(h)
+    if self.attn2 is not None:
+        hidden_states = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                   attention_mask=encoder_attention_mask) + hidden_states
+    h = _modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    ff_output = self.ff(h.unflatten(1, (height, width)).permute(0, 3, 1, 2)).flatten(2, 3).permute(0, 2, 1)
+    return hidden_states + gate_mlp * ff_output
+
+
+def _why_not_sana(block) -> str | None:
+    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm1, block.norm2)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
 # ---------------------------------------------------------------- the table
 
 class Block(NamedTuple):
@@ -224,4 +257,5 @@ BLOCKS = {
     f"{_ATTENTION}.BasicTransformerBlock": Block(_basic_block, _why_not_basic),
     f"{_ATTENTION}.JointTransformerBlock": Block(_joint_block, _why_not_joint),
     "diffusers.models.transformers.transformer_flux.FluxTransformerBlock": Block(_flux_block, _why_not_flux),
+    "diffusers.models.transformers.sana_transformer.SanaTransformerBlock": Block(_sana_block, _why_not_sana),
 }

@@ -1,5 +1,5 @@
-"""``cudnorm.patch(model, blocks=True)`` (cudnorm._diffusers_blocks): diffusers' DiT, PixArt, SD3
-and Flux blocks with each plain LayerNorm and the modulation after it fused into one op. The
+"""``cudnorm.patch(model, blocks=True)`` (cudnorm._diffusers_blocks): diffusers' DiT, PixArt, SD3,
+Flux and Sana blocks with each plain LayerNorm and the modulation after it fused into one op. The
 tiny models of tests/test_patching.py: the blocks swapped on request only, the fused op taking
 every modulated norm, outputs and gradients equal to the unpatched model's in fp32 (CPU, and
 the cuDNN path's code on emulated graphs), bf16 within the 2x-PyTorch-error rule, the block's
@@ -16,7 +16,7 @@ import cudnorm
 from cudnorm import _diffusers_blocks as blocks_mod
 from cudnorm import reference as ref
 from test_patching import (DEVICES, F32_TOL, _assert_grads_close, _bf16, _build, _compiled_matches_eager, _dit,
-                           _flux, _on, _output, _output_and_grads, _pixart, _sd3)
+                           _flux, _on, _output, _output_and_grads, _pixart, _sana, _sd3)
 
 ATTENTION = "diffusers.models.attention"
 FLUX = "diffusers.models.transformers.transformer_flux"
@@ -26,6 +26,7 @@ BLOCK_FAMILIES = {
     "pixart": (_pixart, (f"{ATTENTION}.BasicTransformerBlock", 2), 4),  # norm1 and norm2 of each block
     "sd3": (_sd3, (f"{ATTENTION}.JointTransformerBlock", 2), 3),  # norm2 twice, norm2_context once (the last block has none)
     "flux": (_flux, (f"{FLUX}.FluxTransformerBlock", 1), 2),  # norm2 and norm2_context
+    "sana": (_sana, ("diffusers.models.transformers.sana_transformer.SanaTransformerBlock", 2), 4),  # norm1, norm2
 }
 
 
