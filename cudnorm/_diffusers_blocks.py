@@ -11,7 +11,8 @@ children in the same order, with each such norm and its modulation one fused op.
   modulation) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
   ``norm2`` with the MLP's, from ``scale_shift_table``);
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
-* ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``);
+* ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
+  same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`);
 * ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
@@ -252,10 +253,17 @@ class Block(NamedTuple):
 
 
 _ATTENTION = "diffusers.models.attention"
+_TRANSFORMERS = "diffusers.models.transformers"
+#: block classes whose forward is ``FluxTransformerBlock``'s, body for body (their constructors
+#: differ in the attention class and the feed-forward's activation only): :func:`_flux_block` runs them
+FLUX_BODIES = (f"{_TRANSFORMERS}.transformer_bria_fibo.BriaFiboTransformerBlock",
+               f"{_TRANSFORMERS}.transformer_longcat_image.LongCatImageTransformerBlock",
+               f"{_TRANSFORMERS}.transformer_ovis_image.OvisImageTransformerBlock")
 #: diffusers block class (module-qualified name) -> how it runs (``cudnorm.patch(..., blocks=True)``)
 BLOCKS = {
     f"{_ATTENTION}.BasicTransformerBlock": Block(_basic_block, _why_not_basic),
     f"{_ATTENTION}.JointTransformerBlock": Block(_joint_block, _why_not_joint),
     "diffusers.models.transformers.transformer_flux.FluxTransformerBlock": Block(_flux_block, _why_not_flux),
     "diffusers.models.transformers.sana_transformer.SanaTransformerBlock": Block(_sana_block, _why_not_sana),
+    **dict.fromkeys(FLUX_BODIES, Block(_flux_block, _why_not_flux)),
 }

@@ -161,3 +161,43 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
             call(h)
             counts.append(_python_calls(lambda: call(h)))
     assert counts[1] <= counts[0], counts
+
+
+@pytest.mark.parametrize("name", ["SanaTransformer2DModel", "BriaFiboTransformer2DModel",
+                                  "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel"])
+def test_fused_blocks_of_diffusers_all_toy_models_match(name):
+    """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
+    CPU): each model's block is swapped for its fused forward, and the output and the latent's
+    gradient equal the unpatched model's."""
+    from cudnorm._bench.real_models import diffusers_all, diffusers_inputs
+
+    cls = diffusers_all._by_name()[name]
+    config = diffusers_all.shrink(cls, toy=True)
+    torch.manual_seed(0)
+    base = diffusers_inputs.build(cls, config).float().eval()
+    model = copy.deepcopy(base)
+    report = cudnorm.patch(model, blocks=True)
+    assert any(formula.endswith("_fused") for _, _, formula in report.swapped), report
+    results = []
+    for m in (base, model):
+        kwargs = diffusers_all.make_inputs(cls, config, 1, "cpu", torch.float32, torch.Generator().manual_seed(0),
+                                           toy=True)
+        latent = next(iter(kwargs.values())).requires_grad_(True)
+        out = diffusers_all.output(m(**kwargs))
+        out.square().mean().backward()
+        results.append((out.detach(), latent.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert ref.rel_error(got, want) <= F32_TOL and ref.rel_error(got_grad, want_grad) <= F32_TOL
+
+
+def test_blocks_sharing_fluxs_forward_have_its_body():
+    """The classes run by Flux's fused forward (``FLUX_BODIES``) have, source for source, the
+    forward of ``FluxTransformerBlock``: a diffusers release that changes one fails here."""
+    import importlib
+    import inspect
+
+    flux = inspect.getsource(importlib.import_module(FLUX).FluxTransformerBlock.forward)
+    for name in blocks_mod.FLUX_BODIES:
+        module, _, cls = name.rpartition(".")
+        assert inspect.getsource(getattr(importlib.import_module(module), cls).forward) == flux, name
+        assert blocks_mod.BLOCKS[name].forward is blocks_mod._flux_block
