@@ -1,6 +1,6 @@
 """Whole diffusers transformer blocks on cudnorm: ``cudnorm.patch(model, blocks=True)``.
 
-diffusers' DiT, PixArt, SD3, Flux and Sana blocks normalise with a plain ``nn.LayerNorm`` and then
+diffusers' DiT, PixArt, SD3, Flux, Sana and Qwen-Image blocks normalise with a plain ``nn.LayerNorm`` and then
 modulate in the block's own forward, ``norm(h) * (1 + scale[:, None]) + shift[:, None]`` with
 per-sample chunks of the block's conditioning: a LayerNorm and two elementwise kernels forward,
 and their backward, where :func:`cudnorm.ada_layer_norm` is one op each way. Patching the norm
@@ -13,7 +13,8 @@ children in the same order, with each such norm and its modulation one fused op.
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
   same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`);
-* ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation).
+* ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation);
+* ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
 once where the block's formula rounds three times (one rounding step of the activation dtype
@@ -242,6 +243,62 @@ def _why_not_sana(block) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- QwenImageTransformerBlock (Qwen-Image)
+
+def _qwen_modulated(block, norm, x: torch.Tensor, params: torch.Tensor, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's ``_modulate(norm(x), params, index)``: ``(norm(x) * (1 + scale) + shift, gate)``
+    with ``params [B, 3 * D]`` (shift, scale, gate), the modulated norm one fused op where it is per
+    sample; a per-token choice between two modulations (``index``, Qwen-Image-Edit's
+    ``zero_cond_t``) runs the block's own."""
+    if index is not None:
+        return block._modulate(norm(x), params, index)
+    shift, scale, gate = params.chunk(3, dim=-1)
+    return _modulated(norm, x, scale, shift), gate.unsqueeze(1)
+
+
+def _qwen_image_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                      encoder_hidden_states_mask: torch.Tensor, temb: torch.Tensor,
+                      image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      joint_attention_kwargs: dict | None = None,
+                      modulate_index: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``QwenImageTransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text
+    tokens ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states, hidden_states)``; four
+    modulated norms a block (each stream's ``norm1`` and ``norm2``)."""
+    norms = (self.img_norm1, self.txt_norm1, self.img_norm2, self.txt_norm2)
+    if not _fusable(*norms):
+        return self._cudnorm_unpatched.forward(
+            self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs,
+            modulate_index=modulate_index)
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    if self.zero_cond_t:  # the image stream's modulation came twice (per token, by modulate_index)
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+    img, img_gate1 = _qwen_modulated(self, self.img_norm1, hidden_states, img_mod1, modulate_index)
+    txt, txt_gate1 = _qwen_modulated(self, self.txt_norm1, encoder_hidden_states, txt_mod1)
+    img_attn_output, txt_attn_output = self.attn(
+        hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = hidden_states + img_gate1 * img_attn_output
+    encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
+    img, img_gate2 = _qwen_modulated(self, self.img_norm2, hidden_states, img_mod2, modulate_index)
+    hidden_states = hidden_states + img_gate2 * self.img_mlp(img)
+    txt, txt_gate2 = _qwen_modulated(self, self.txt_norm2, encoder_hidden_states, txt_mod2)
+    encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(txt)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _why_not_qwen_image(block) -> str | None:
+    if not all(_norm_kind(norm) == "layer_norm"
+               for norm in (block.img_norm1, block.txt_norm1, block.img_norm2, block.txt_norm2)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
 # ---------------------------------------------------------------- the table
 
 class Block(NamedTuple):
@@ -266,4 +323,5 @@ BLOCKS = {
     "diffusers.models.transformers.transformer_flux.FluxTransformerBlock": Block(_flux_block, _why_not_flux),
     "diffusers.models.transformers.sana_transformer.SanaTransformerBlock": Block(_sana_block, _why_not_sana),
     **dict.fromkeys(FLUX_BODIES, Block(_flux_block, _why_not_flux)),
+    f"{_TRANSFORMERS}.transformer_qwenimage.QwenImageTransformerBlock": Block(_qwen_image_block, _why_not_qwen_image),
 }

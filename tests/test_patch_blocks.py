@@ -164,11 +164,12 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
 
 
 @pytest.mark.parametrize("name", ["SanaTransformer2DModel", "BriaFiboTransformer2DModel",
-                                  "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel"])
-def test_fused_blocks_of_diffusers_all_toy_models_match(name):
+                                  "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel",
+                                  "QwenImageTransformer2DModel"])
+def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
-    CPU): each model's block is swapped for its fused forward, and the output and the latent's
-    gradient equal the unpatched model's."""
+    CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,
+    and the output and the latent's gradient equal the unpatched model's."""
     from cudnorm._bench.real_models import diffusers_all, diffusers_inputs
 
     cls = diffusers_all._by_name()[name]
@@ -178,7 +179,7 @@ def test_fused_blocks_of_diffusers_all_toy_models_match(name):
     model = copy.deepcopy(base)
     report = cudnorm.patch(model, blocks=True)
     assert any(formula.endswith("_fused") for _, _, formula in report.swapped), report
-    results = []
+    results, calls = [], _counting(monkeypatch)
     for m in (base, model):
         kwargs = diffusers_all.make_inputs(cls, config, 1, "cpu", torch.float32, torch.Generator().manual_seed(0),
                                            toy=True)
@@ -187,6 +188,7 @@ def test_fused_blocks_of_diffusers_all_toy_models_match(name):
         out.square().mean().backward()
         results.append((out.detach(), latent.grad))
     (want, want_grad), (got, got_grad) = results
+    assert calls, "the fused forward fused no modulated norm"
     assert ref.rel_error(got, want) <= F32_TOL and ref.rel_error(got_grad, want_grad) <= F32_TOL
 
 
