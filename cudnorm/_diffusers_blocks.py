@@ -1,6 +1,6 @@
 """Whole diffusers transformer blocks on cudnorm: ``cudnorm.patch(model, blocks=True)``.
 
-diffusers' DiT, PixArt, SD3, Flux, Sana and Qwen-Image blocks normalise with a plain ``nn.LayerNorm`` and then
+diffusers' DiT, PixArt, SD3, Flux, FLUX.2, Sana and Qwen-Image blocks normalise with a plain ``nn.LayerNorm`` and then
 modulate in the block's own forward, ``norm(h) * (1 + scale[:, None]) + shift[:, None]`` with
 per-sample chunks of the block's conditioning: a LayerNorm and two elementwise kernels forward,
 and their backward, where :func:`cudnorm.ada_layer_norm` is one op each way. Patching the norm
@@ -14,7 +14,9 @@ children in the same order, with each such norm and its modulation one fused op.
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
   same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`);
 * ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation);
-* ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``).
+* ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``);
+* ``Flux2TransformerBlock`` and ``Flux2SingleTransformerBlock`` (FLUX.2: four modulated norms
+  in a double-stream block, one in a single-stream block).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
 once where the block's formula rounds three times (one rounding step of the activation dtype
@@ -243,6 +245,79 @@ def _why_not_sana(block) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- Flux2TransformerBlock, Flux2SingleTransformerBlock (FLUX.2)
+
+def _flux2_split(mod: torch.Tensor, sets: int) -> tuple:
+    """``Flux2Modulation.split``: ``sets`` triples (shift, scale, gate) of ``mod [B, 3 * sets * D]``
+    (chunks ``[B, 1, D]``) or of a per-token ``[B, S, 3 * sets * D]``."""
+    if mod.ndim == 2:
+        mod = mod.unsqueeze(1)
+    chunks = torch.chunk(mod, 3 * sets, dim=-1)
+    return tuple(chunks[3 * i:3 * (i + 1)] for i in range(sets))
+
+
+def _flux2_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                 temb_mod_img: torch.Tensor, temb_mod_txt: torch.Tensor,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Flux2TransformerBlock.forward`` (double-stream): image tokens ``hidden_states [B, S, D]``
+    and text tokens ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states,
+    hidden_states)``; four modulated norms a block."""
+    if not _fusable(self.norm1, self.norm1_context, self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
+                                               image_rotary_emb=image_rotary_emb,
+                                               joint_attention_kwargs=joint_attention_kwargs)
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _flux2_split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _flux2_split(temb_mod_txt, 2)
+    h = _modulated(self.norm1, hidden_states, scale_msa, shift_msa)
+    c = _modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa)
+    attn_output, context_attn_output = self.attn(hidden_states=h, encoder_hidden_states=c,
+                                                 image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = hidden_states + gate_msa * attn_output
+    h = _modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    hidden_states = hidden_states + gate_mlp * self.ff(h)
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa * context_attn_output
+    c = _modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * self.ff_context(c)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _flux2_single_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None,
+                        temb_mod: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        joint_attention_kwargs: dict | None = None, split_hidden_states: bool = False,
+                        text_seq_len: int | None = None):
+    """``Flux2SingleTransformerBlock.forward``: the text and image tokens as one sequence (joined
+    here when ``encoder_hidden_states`` is given) -> that sequence, or split back into
+    ``(encoder_hidden_states, hidden_states)``; one modulated norm."""
+    if not _fusable(self.norm):
+        return self._cudnorm_unpatched.forward(
+            self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=image_rotary_emb,
+            joint_attention_kwargs=joint_attention_kwargs, split_hidden_states=split_hidden_states,
+            text_seq_len=text_seq_len)
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = _flux2_split(temb_mod, 1)[0]
+    h = _modulated(self.norm, hidden_states, scale, shift)
+    hidden_states = hidden_states + gate * self.attn(hidden_states=h, image_rotary_emb=image_rotary_emb,
+                                                     **(joint_attention_kwargs or {}))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _why_not_flux2(block) -> str | None:
+    norms = (block.norm,) if hasattr(block, "norm") else (block.norm1, block.norm1_context, block.norm2,
+                                                          block.norm2_context)
+    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
 # ---------------------------------------------------------------- QwenImageTransformerBlock (Qwen-Image)
 
 def _qwen_modulated(block, norm, x: torch.Tensor, params: torch.Tensor, index=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,4 +399,6 @@ BLOCKS = {
     "diffusers.models.transformers.sana_transformer.SanaTransformerBlock": Block(_sana_block, _why_not_sana),
     **dict.fromkeys(FLUX_BODIES, Block(_flux_block, _why_not_flux)),
     f"{_TRANSFORMERS}.transformer_qwenimage.QwenImageTransformerBlock": Block(_qwen_image_block, _why_not_qwen_image),
+    f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
+    f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
 }
