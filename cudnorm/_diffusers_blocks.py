@@ -12,7 +12,8 @@ children in the same order, with each such norm and its modulation one fused op.
   ``norm2`` with the MLP's, from ``scale_shift_table``);
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
-  same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`);
+  same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`, and
+  with Chroma's pruned modulation in ``ChromaTransformerBlock``);
 * ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation);
 * ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``);
 * ``Flux2TransformerBlock`` and ``Flux2SingleTransformerBlock`` (FLUX.2: four modulated norms
@@ -180,19 +181,14 @@ def _why_not_joint(block) -> str | None:
 
 # ---------------------------------------------------------------- FluxTransformerBlock (Flux.1)
 
-def _flux_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-                image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FluxTransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text tokens
-    ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states, hidden_states)``."""
-    if not _fusable(self.norm2, self.norm2_context):
-        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
-                                               image_rotary_emb=image_rotary_emb,
-                                               joint_attention_kwargs=joint_attention_kwargs)
-    h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
-    outputs = self.attn(hidden_states=h, encoder_hidden_states=c, image_rotary_emb=image_rotary_emb,
-                        **(joint_attention_kwargs or {}))
+def _flux_streams(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb_img: torch.Tensor,
+                  temb_txt: torch.Tensor, attention_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of Flux's double-stream block (:func:`_flux_block`, :func:`_chroma_block`): each
+    stream's AdaLN (``norm1``, ``norm1_context``, modules of their own), the joint attention called
+    with ``attention_kwargs``, then each stream's ``norm2`` and its modulation fused."""
+    h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb_img)
+    c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb_txt)
+    outputs = self.attn(hidden_states=h, encoder_hidden_states=c, **attention_kwargs)
     attn_output, context_attn_output = outputs[0], outputs[1]  # a third: IP-Adapter's attention
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     h = _modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
@@ -205,6 +201,36 @@ def _flux_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
+
+
+def _flux_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxTransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text tokens
+    ``encoder_hidden_states [B, T, D]`` -> ``(encoder_hidden_states, hidden_states)``."""
+    if not _fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
+                                               image_rotary_emb=image_rotary_emb,
+                                               joint_attention_kwargs=joint_attention_kwargs)
+    return _flux_streams(self, hidden_states, encoder_hidden_states, temb, temb,
+                         {"image_rotary_emb": image_rotary_emb, **(joint_attention_kwargs or {})})
+
+
+def _chroma_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                  image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  attention_mask: torch.Tensor | None = None,
+                  joint_attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ChromaTransformerBlock.forward``: Flux's block with the pruned modulation (``temb [B, 12,
+    D]``: six rows per stream, precomputed) and a text mask made pairwise for the attention."""
+    if not _fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
+                                               image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
+                                               joint_attention_kwargs=joint_attention_kwargs)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+    return _flux_streams(self, hidden_states, encoder_hidden_states, temb[:, :6], temb[:, 6:],
+                         {"image_rotary_emb": image_rotary_emb, "attention_mask": attention_mask,
+                          **(joint_attention_kwargs or {})})
 
 
 def _why_not_flux(block) -> str | None:
@@ -399,6 +425,7 @@ BLOCKS = {
     "diffusers.models.transformers.sana_transformer.SanaTransformerBlock": Block(_sana_block, _why_not_sana),
     **dict.fromkeys(FLUX_BODIES, Block(_flux_block, _why_not_flux)),
     f"{_TRANSFORMERS}.transformer_qwenimage.QwenImageTransformerBlock": Block(_qwen_image_block, _why_not_qwen_image),
+    f"{_TRANSFORMERS}.transformer_chroma.ChromaTransformerBlock": Block(_chroma_block, _why_not_flux),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
 }
