@@ -1,6 +1,6 @@
 """Whole diffusers transformer blocks on cudnorm: ``cudnorm.patch(model, blocks=True)``.
 
-diffusers' DiT, PixArt, SD3, Flux, FLUX.2, Sana and Qwen-Image blocks normalise with a plain ``nn.LayerNorm`` and then
+diffusers' DiT, PixArt, SD3, Flux, FLUX.2, Sana, Qwen-Image and LTX-Video blocks normalise with a plain ``nn.LayerNorm`` and then
 modulate in the block's own forward, ``norm(h) * (1 + scale[:, None]) + shift[:, None]`` with
 per-sample chunks of the block's conditioning: a LayerNorm and two elementwise kernels forward,
 and their backward, where :func:`cudnorm.ada_layer_norm` is one op each way. Patching the norm
@@ -17,7 +17,9 @@ children in the same order, with each such norm and its modulation one fused op.
 * ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation);
 * ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``);
 * ``Flux2TransformerBlock`` and ``Flux2SingleTransformerBlock`` (FLUX.2: four modulated norms
-  in a double-stream block, one in a single-stream block).
+  in a double-stream block, one in a single-stream block);
+* ``LTXVideoTransformerBlock`` (LTX-Video: weightless RMSNorms, one :func:`cudnorm.ada_rms_norm`
+  each).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
 once where the block's formula rounds three times (one rounding step of the activation dtype
@@ -36,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from .ada_layer_norm import ada_layer_norm
+from .ada_rms_norm import ada_rms_norm
 from ._diffusers_forwards import _modulated_layer_norm
 from .diffusers import _norm_kind, layer_norm_class
 
@@ -400,6 +403,54 @@ def _why_not_qwen_image(block) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- LTXVideoTransformerBlock (LTX-Video)
+
+def _fusable_rms(*norms) -> bool:
+    """diffusers' RMSNorms without a weight (LTX-Video's blocks), unobserved: what
+    :func:`cudnorm.ada_rms_norm` normalises."""
+    return all(_norm_kind(norm) == "rms_norm" and norm.weight is None and not observed(norm) for norm in norms)
+
+
+def _rms_modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``norm(x) * (1 + scale) + shift`` for a weightless RMSNorm: one :func:`cudnorm.ada_rms_norm`
+    where ``scale``/``shift`` are per sample (``[B, 1, D]``, x's dtype), else the formula (a
+    modulation per token, LTX-Video's conditioning frames)."""
+    b, d = x.shape[0], x.shape[-1]
+    if (x.dim() == 3 and scale.dtype is x.dtype and shift.dtype is x.dtype and scale.shape[0] == b
+            and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape):
+        return ada_rms_norm(x, scale, shift, norm.eps, one_plus_scale=True)
+    return norm(x) * (1 + scale) + shift
+
+
+def _ltx_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+               image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+               encoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``LTXVideoTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` -> ``[B, S,
+    D]``; ``norm1`` and ``norm2`` (weightless RMSNorms) with the modulation of
+    ``scale_shift_table`` plus ``temb [B, T, 6 * D]`` (``T`` 1: per sample)."""
+    if not _fusable_rms(self.norm1, self.norm2):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb,
+                                               image_rotary_emb=image_rotary_emb,
+                                               encoder_attention_mask=encoder_attention_mask)
+    sets = self.scale_shift_table.shape[0]
+    ada_values = self.scale_shift_table[None, None].to(temb.device) + temb.reshape(
+        hidden_states.size(0), temb.size(1), sets, -1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
+    h = _rms_modulated(self.norm1, hidden_states, scale_msa, shift_msa)
+    hidden_states = hidden_states + self.attn1(hidden_states=h, encoder_hidden_states=None,
+                                               image_rotary_emb=image_rotary_emb) * gate_msa
+    hidden_states = hidden_states + self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                               image_rotary_emb=None, attention_mask=encoder_attention_mask)
+    h = _rms_modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    return hidden_states + self.ff(h) * gate_mlp
+
+
+def _why_not_ltx(block) -> str | None:
+    if not all(_norm_kind(norm) == "rms_norm" and norm.weight is None for norm in (block.norm1, block.norm2)):
+        return "a norm it modulates is not a weightless RMSNorm over the last dim"
+    return None
+
+
 # ---------------------------------------------------------------- the table
 
 class Block(NamedTuple):
@@ -426,6 +477,7 @@ BLOCKS = {
     **dict.fromkeys(FLUX_BODIES, Block(_flux_block, _why_not_flux)),
     f"{_TRANSFORMERS}.transformer_qwenimage.QwenImageTransformerBlock": Block(_qwen_image_block, _why_not_qwen_image),
     f"{_TRANSFORMERS}.transformer_chroma.ChromaTransformerBlock": Block(_chroma_block, _why_not_flux),
+    f"{_TRANSFORMERS}.transformer_ltx.LTXVideoTransformerBlock": Block(_ltx_block, _why_not_ltx),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
 }

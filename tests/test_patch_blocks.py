@@ -31,14 +31,14 @@ BLOCK_FAMILIES = {
 
 
 def _counting(monkeypatch) -> list:
-    """Count the fused modulated norms the block forwards run."""
-    calls, fused = [], blocks_mod._modulated
+    """Count the fused modulated norms the block forwards run (LayerNorms and RMSNorms)."""
+    calls = []
+    for name in ("_modulated", "_rms_modulated"):
+        def counted(*args, fused=getattr(blocks_mod, name)):
+            calls.append(1)
+            return fused(*args)
 
-    def counted(*args):
-        calls.append(1)
-        return fused(*args)
-
-    monkeypatch.setattr(blocks_mod, "_modulated", counted)
+        monkeypatch.setattr(blocks_mod, name, counted)
     return calls
 
 
@@ -166,7 +166,7 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
 @pytest.mark.parametrize("name", ["SanaTransformer2DModel", "BriaFiboTransformer2DModel",
                                   "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel",
                                   "QwenImageTransformer2DModel", "Flux2Transformer2DModel",
-                                  "ChromaTransformer2DModel"])
+                                  "ChromaTransformer2DModel", "LTXVideoTransformer3DModel"])
 def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
     CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,
