@@ -39,7 +39,8 @@ from torch.nn.utils import parametrize
 
 from . import _patch_table, _warn
 from ._patch_table import qualified_name
-from ._diffusers_blocks import BLOCKS, GLOBAL_HOOKS
+from ._diffusers_block_ops import GLOBAL_HOOKS
+from ._diffusers_blocks import BLOCKS
 from .diffusers import FUSED, why_not_fused
 from .layer_norm import layer_norm
 from .modules import LayerNorm, RMSNorm
@@ -309,7 +310,7 @@ def _why_not_instance(module: torch.nn.Module, formula: Formula) -> str | None:
 
 def _forward_keeping_child_calls(formula: Formula) -> Callable:
     """``formula.forward``, or the class's original forward when a child it reads instead of
-    calling is observed (:func:`cudnorm._diffusers_blocks.observed`: hooks, an instance
+    calling is observed (:func:`cudnorm._diffusers_block_ops.observed`: hooks, an instance
     ``forward``, global module hooks), whose calls must happen as before. It runs on every call
     of every patched AdaLN module, and host-bound steps pay each microsecond: the test is
     inlined here (no call; tests/test_patch_host_cost.py counts them)."""

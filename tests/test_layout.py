@@ -33,7 +33,9 @@ LAYERS = [
     ("_diffusers_forwards", "_info", "_native", "_sharding", "modules", "warmup"),  # _diffusers_forwards: the
     # arithmetic of the diffusers classes and the forwards patch runs on diffusers' other AdaLN classes
     ("diffusers",),
-    ("_diffusers_blocks",),  # whole diffusers blocks on diffusers' fused modulation
+    ("_diffusers_block_ops",),  # a norm and its modulation as one op, for the fused blocks
+    ("_diffusers_block_forwards",),  # fused forwards of the newer diffusers blocks
+    ("_diffusers_blocks",),  # whole diffusers blocks on cudnorm's fused modulation: the table
     ("patching",),
     ("__init__",),  # the package
 ]

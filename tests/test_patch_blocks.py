@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cudnorm
+from cudnorm import _diffusers_block_ops as block_ops
 from cudnorm import _diffusers_blocks as blocks_mod
 from cudnorm import reference as ref
 from test_patching import (DEVICES, F32_TOL, _assert_grads_close, _bf16, _build, _compiled_matches_eager, _dit,
@@ -33,12 +34,12 @@ BLOCK_FAMILIES = {
 def _counting(monkeypatch) -> list:
     """Count the fused modulated norms the block forwards run (LayerNorms and RMSNorms)."""
     calls = []
-    for name in ("_modulated", "_rms_modulated"):
-        def counted(*args, fused=getattr(blocks_mod, name)):
+    for name in ("modulated", "rms_modulated"):
+        def counted(*args, fused=getattr(block_ops, name)):
             calls.append(1)
             return fused(*args)
 
-        monkeypatch.setattr(blocks_mod, name, counted)
+        monkeypatch.setattr(block_ops, name, counted)
     return calls
 
 
@@ -121,15 +122,15 @@ def test_calls_the_fused_forward_does_not_cover_run_the_blocks_own(family, monke
 
 def test_observed_reads_hooks_and_instance_forwards():
     norm = torch.nn.LayerNorm(8)
-    assert not blocks_mod.observed(norm)
+    assert not block_ops.observed(norm)
     handle = norm.register_forward_pre_hook(lambda *a: None)
-    assert blocks_mod.observed(norm)
+    assert block_ops.observed(norm)
     handle.remove()
     norm.forward = norm.forward  # an instance forward, as accelerate's hook sets one
-    assert blocks_mod.observed(norm)
+    assert block_ops.observed(norm)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
     try:
-        assert blocks_mod.observed(torch.nn.LayerNorm(8))
+        assert block_ops.observed(torch.nn.LayerNorm(8))
     finally:
         handle.remove()
 
@@ -166,7 +167,8 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
 @pytest.mark.parametrize("name", ["SanaTransformer2DModel", "BriaFiboTransformer2DModel",
                                   "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel",
                                   "QwenImageTransformer2DModel", "Flux2Transformer2DModel",
-                                  "ChromaTransformer2DModel", "LTXVideoTransformer3DModel"])
+                                  "ChromaTransformer2DModel", "LTXVideoTransformer3DModel",
+                                  "AuraFlowTransformer2DModel"])
 def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
     CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,
