@@ -1,5 +1,5 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
-holds the table): FLUX.2's, Qwen-Image's, Sana's, LTX-Video's and AuraFlow's blocks. Each calls the
+holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, LTX-Video's and AuraFlow's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -38,6 +38,42 @@ def _sana_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor 
 
 
 def _why_not_sana(block) -> str | None:
+    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm1, block.norm2)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
+# ---------------------------------------------------------------- AllegroTransformerBlock (Allegro)
+
+def _allegro_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                   temb: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   encoder_attention_mask: torch.Tensor | None = None, image_rotary_emb=None) -> torch.Tensor:
+    """``AllegroTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` -> ``[B, S,
+    D]``; PixArt's modulation (``scale_shift_table`` plus ``temb``, chunks ``[B, 1, D]``) of
+    ``norm1`` and ``norm2``."""
+    if not ops.fusable(self.norm1, self.norm2):
+        return self._cudnorm_unpatched.forward(
+            self, hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+            attention_mask=attention_mask, encoder_attention_mask=encoder_attention_mask,
+            image_rotary_emb=image_rotary_emb)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        self.scale_shift_table[None] + temb.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
+    h = ops.modulated(self.norm1, hidden_states, scale_msa, shift_msa).squeeze(1)
+    hidden_states = gate_msa * self.attn1(h, encoder_hidden_states=None, attention_mask=attention_mask,
+                                          image_rotary_emb=image_rotary_emb) + hidden_states
+    if hidden_states.ndim == 4:
+        hidden_states = hidden_states.squeeze(1)
+    if self.attn2 is not None:  # cross-attention reads the residual stream as it is (PixArt's)
+        hidden_states = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                   attention_mask=encoder_attention_mask, image_rotary_emb=None) + hidden_states
+    h = ops.modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    hidden_states = gate_mlp * self.ff(h) + hidden_states
+    if hidden_states.ndim == 4:
+        hidden_states = hidden_states.squeeze(1)
+    return hidden_states
+
+
+def _why_not_allegro(block) -> str | None:
     if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm1, block.norm2)):
         return "a norm it modulates is not a LayerNorm over the last dim"
     return None

@@ -16,7 +16,8 @@ others in :mod:`cudnorm._diffusers_block_forwards`:
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
   same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`, and
   with Chroma's pruned modulation in ``ChromaTransformerBlock``);
-* ``SanaTransformerBlock`` (Sana: ``norm1`` and ``norm2``, PixArt's modulation);
+* ``SanaTransformerBlock`` and ``AllegroTransformerBlock`` (Sana, Allegro: ``norm1`` and
+  ``norm2``, PixArt's modulation);
 * ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``);
 * ``Flux2TransformerBlock`` and ``Flux2SingleTransformerBlock`` (FLUX.2: four modulated norms
   in a double-stream block, one in a single-stream block);
@@ -42,10 +43,10 @@ from typing import NamedTuple
 import torch
 
 from . import _diffusers_block_ops as ops
-from ._diffusers_block_forwards import (_auraflow_joint_block, _auraflow_single_block, _flux2_block,
-                                        _flux2_single_block, _ltx_block, _qwen_image_block, _sana_block,
-                                        _why_not_auraflow, _why_not_flux2, _why_not_ltx, _why_not_qwen_image,
-                                        _why_not_sana)
+from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _auraflow_single_block,
+                                        _flux2_block, _flux2_single_block, _ltx_block, _qwen_image_block,
+                                        _sana_block, _why_not_allegro, _why_not_auraflow, _why_not_flux2,
+                                        _why_not_ltx, _why_not_qwen_image, _why_not_sana)
 from .diffusers import _norm_kind
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
@@ -239,6 +240,7 @@ BLOCKS = {
                                                                                      _why_not_auraflow),
     f"{_TRANSFORMERS}.auraflow_transformer_2d.AuraFlowJointTransformerBlock": Block(_auraflow_joint_block,
                                                                                     _why_not_auraflow),
+    f"{_TRANSFORMERS}.transformer_allegro.AllegroTransformerBlock": Block(_allegro_block, _why_not_allegro),
     f"{_TRANSFORMERS}.transformer_ltx.LTXVideoTransformerBlock": Block(_ltx_block, _why_not_ltx),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
