@@ -1,5 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
-holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, LTX-Video's and AuraFlow's blocks. Each calls the
+holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's and AuraFlow's
+blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -204,6 +205,55 @@ def _qwen_image_block(self, hidden_states: torch.Tensor, encoder_hidden_states: 
 def _why_not_qwen_image(block) -> str | None:
     if not all(_norm_kind(norm) == "layer_norm"
                for norm in (block.img_norm1, block.txt_norm1, block.img_norm2, block.txt_norm2)):
+        return "a norm it modulates is not a LayerNorm over the last dim"
+    return None
+
+
+# ---------------------------------------------------------------- HiDream-I1's blocks
+
+def _hidream_single_block(self, hidden_states: torch.Tensor, hidden_states_masks: torch.Tensor | None = None,
+                          encoder_hidden_states: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+                          image_rotary_emb: torch.Tensor = None) -> torch.Tensor:
+    """``HiDreamImageSingleTransformerBlock.forward``: ``hidden_states [B, S, D]`` -> ``[B, S, D]``;
+    ``norm1_i`` and ``norm3_i`` with the chunks ``[B, 1, D]`` of ``adaLN_modulation(temb)``."""
+    if not ops.fusable(self.norm1_i, self.norm3_i):
+        return self._cudnorm_unpatched.forward(self, hidden_states, hidden_states_masks, encoder_hidden_states,
+                                               temb, image_rotary_emb=image_rotary_emb)
+    wtype = hidden_states.dtype
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(temb)[:, None].chunk(6, dim=-1)
+    h = ops.modulated(self.norm1_i, hidden_states, scale_msa, shift_msa)
+    hidden_states = gate_msa * self.attn1(h, hidden_states_masks, image_rotary_emb=image_rotary_emb) + hidden_states
+    h = ops.modulated(self.norm3_i, hidden_states, scale_mlp, shift_mlp)
+    return gate_mlp * self.ff_i(h.to(dtype=wtype)) + hidden_states
+
+
+def _hidream_block(self, hidden_states: torch.Tensor, hidden_states_masks: torch.Tensor | None = None,
+                   encoder_hidden_states: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+                   image_rotary_emb: torch.Tensor = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HiDreamImageTransformerBlock.forward`` (dual-stream): image tokens ``hidden_states [B, S,
+    D]`` and text tokens ``encoder_hidden_states [B, T, D]`` -> ``(hidden_states,
+    encoder_hidden_states)``; four modulated norms a block."""
+    if not ops.fusable(self.norm1_i, self.norm1_t, self.norm3_i, self.norm3_t):
+        return self._cudnorm_unpatched.forward(self, hidden_states, hidden_states_masks, encoder_hidden_states,
+                                               temb, image_rotary_emb=image_rotary_emb)
+    (shift_msa_i, scale_msa_i, gate_msa_i, shift_mlp_i, scale_mlp_i, gate_mlp_i, shift_msa_t, scale_msa_t, gate_msa_t,
+     shift_mlp_t, scale_mlp_t, gate_mlp_t) = self.adaLN_modulation(temb)[:, None].chunk(12, dim=-1)
+    h = ops.modulated(self.norm1_i, hidden_states, scale_msa_i, shift_msa_i)
+    c = ops.modulated(self.norm1_t, encoder_hidden_states, scale_msa_t, shift_msa_t)
+    attn_output_i, attn_output_t = self.attn1(h, hidden_states_masks, c, image_rotary_emb=image_rotary_emb)
+    hidden_states = gate_msa_i * attn_output_i + hidden_states
+    encoder_hidden_states = gate_msa_t * attn_output_t + encoder_hidden_states
+    h = ops.modulated(self.norm3_i, hidden_states, scale_mlp_i, shift_mlp_i)
+    c = ops.modulated(self.norm3_t, encoder_hidden_states, scale_mlp_t, shift_mlp_t)
+    hidden_states = gate_mlp_i * self.ff_i(h) + hidden_states
+    encoder_hidden_states = gate_mlp_t * self.ff_t(c) + encoder_hidden_states
+    return hidden_states, encoder_hidden_states
+
+
+def _why_not_hidream(block) -> str | None:
+    norms = ((block.norm1_i, block.norm1_t, block.norm3_i, block.norm3_t) if hasattr(block, "norm1_t")
+             else (block.norm1_i, block.norm3_i))
+    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
         return "a norm it modulates is not a LayerNorm over the last dim"
     return None
 

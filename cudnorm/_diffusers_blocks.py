@@ -21,6 +21,8 @@ others in :mod:`cudnorm._diffusers_block_forwards`:
 * ``QwenImageTransformerBlock`` (Qwen-Image: both streams' ``norm1`` and ``norm2``);
 * ``Flux2TransformerBlock`` and ``Flux2SingleTransformerBlock`` (FLUX.2: four modulated norms
   in a double-stream block, one in a single-stream block);
+* ``HiDreamImageTransformerBlock`` and ``HiDreamImageSingleTransformerBlock`` (HiDream-I1: four
+  modulated norms in a dual-stream block, two in a single-stream block);
 * ``LTXVideoTransformerBlock`` (LTX-Video: weightless RMSNorms, one :func:`cudnorm.ada_rms_norm`
   each);
 * ``AuraFlowJointTransformerBlock`` and ``AuraFlowSingleTransformerBlock`` (AuraFlow: each
@@ -44,9 +46,10 @@ import torch
 
 from . import _diffusers_block_ops as ops
 from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _auraflow_single_block,
-                                        _flux2_block, _flux2_single_block, _ltx_block, _qwen_image_block,
-                                        _sana_block, _why_not_allegro, _why_not_auraflow, _why_not_flux2,
-                                        _why_not_ltx, _why_not_qwen_image, _why_not_sana)
+                                        _flux2_block, _flux2_single_block, _hidream_block, _hidream_single_block,
+                                        _ltx_block, _qwen_image_block, _sana_block, _why_not_allegro,
+                                        _why_not_auraflow, _why_not_flux2, _why_not_hidream, _why_not_ltx,
+                                        _why_not_qwen_image, _why_not_sana)
 from .diffusers import _norm_kind
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
@@ -241,6 +244,10 @@ BLOCKS = {
     f"{_TRANSFORMERS}.auraflow_transformer_2d.AuraFlowJointTransformerBlock": Block(_auraflow_joint_block,
                                                                                     _why_not_auraflow),
     f"{_TRANSFORMERS}.transformer_allegro.AllegroTransformerBlock": Block(_allegro_block, _why_not_allegro),
+    f"{_TRANSFORMERS}.transformer_hidream_image.HiDreamImageTransformerBlock": Block(_hidream_block,
+                                                                                       _why_not_hidream),
+    f"{_TRANSFORMERS}.transformer_hidream_image.HiDreamImageSingleTransformerBlock": Block(_hidream_single_block,
+                                                                                             _why_not_hidream),
     f"{_TRANSFORMERS}.transformer_ltx.LTXVideoTransformerBlock": Block(_ltx_block, _why_not_ltx),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),

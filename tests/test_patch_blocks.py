@@ -168,7 +168,8 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
                                   "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel",
                                   "QwenImageTransformer2DModel", "Flux2Transformer2DModel",
                                   "ChromaTransformer2DModel", "LTXVideoTransformer3DModel",
-                                  "AuraFlowTransformer2DModel", "AllegroTransformer3DModel"])
+                                  "AuraFlowTransformer2DModel", "AllegroTransformer3DModel",
+                                  "HiDreamImageTransformer2DModel"])
 def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
     CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,
