@@ -24,6 +24,9 @@
 # diffusers-all: every transformer class diffusers exports, default config, 1 layer per kind (_bench/real_models/
 #   diffusers_all.py), train and sample; diffusers from benchmarks/diffusers_wheels.sh (the image has none).
 #   models.csv is written after every case: a stage cut at its limit still leaves the cases it ran.
+#   DA_FILTER: the cases to run (comma-separated substrings of case ids, default every class), e.g. the classes
+#   whose blocks blocks=True fuses with DA_PROVIDERS=torch,cudnorm,cudnorm-blocks,torch-again (default
+#   torch,cudnorm,torch-again).
 #   DIFFUSERS_SITE: a --target folder holding those wheels, put on PYTHONPATH for the diffusers stages alone (its
 #   pins, e.g. huggingface_hub < 2, then shadow nothing the other stages import).
 # lookup: the host cost of the dispatcher's decision lookup on the native path (benchmarks/decision_lookup.py).
@@ -116,7 +119,7 @@ PY
     diffusers-all)  # resumed while a case kills the process (a CUDA error ends it), within MODELS_LIMIT in all;
       # DA_SHARD=i/n: the i-th (from 0) of n equal slices of the classes, by name (one GPU each with --spread)
       end=$(( $(date +%s) + ${MODELS_LIMIT:-560} ))
-      filter=diffusers-all
+      filter=${DA_FILTER:-diffusers-all}
       if [ -n "${DA_SHARD:-}" ]; then
         filter=$(PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} python3 -c "
 import sys; from cudnorm._bench.real_models import diffusers_all as d
@@ -125,7 +128,7 @@ print(','.join(f'{m}:' for m in names[i * len(names) // n:(i + 1) * len(names) /
       fi
       while :; do
         PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} timeout $(( end - $(date +%s) )) python3 -m cudnorm.cli \
-          bench --models "$filter" --resume --out "$out/diffusers-all" --providers torch,cudnorm,torch-again 2>&1 | tail -80
+          bench --models "$filter" --resume --out "$out/diffusers-all" --providers "${DA_PROVIDERS:-torch,cudnorm,torch-again}" 2>&1 | tail -80
         [ -f "$out/diffusers-all/running.txt" ] && [ $(( end - $(date +%s) )) -gt 30 ] || break
         echo "resuming after: $(cat "$out/diffusers-all/running.txt")"
       done ;;
