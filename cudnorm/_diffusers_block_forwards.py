@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from . import _diffusers_block_ops as ops
-from .diffusers import _norm_kind
 
 
 # ---------------------------------------------------------------- SanaTransformerBlock (Sana)
@@ -39,9 +38,7 @@ def _sana_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor 
 
 
 def _why_not_sana(block) -> str | None:
-    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm1, block.norm2)):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm1, block.norm2))
 
 
 # ---------------------------------------------------------------- AllegroTransformerBlock (Allegro)
@@ -75,9 +72,7 @@ def _allegro_block(self, hidden_states: torch.Tensor, encoder_hidden_states: tor
 
 
 def _why_not_allegro(block) -> str | None:
-    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm1, block.norm2)):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm1, block.norm2))
 
 
 # ---------------------------------------------------------------- Flux2TransformerBlock, Flux2SingleTransformerBlock (FLUX.2)
@@ -146,11 +141,8 @@ def _flux2_single_block(self, hidden_states: torch.Tensor, encoder_hidden_states
 
 
 def _why_not_flux2(block) -> str | None:
-    norms = (block.norm,) if hasattr(block, "norm") else (block.norm1, block.norm1_context, block.norm2,
-                                                          block.norm2_context)
-    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm,) if hasattr(block, "norm") else (
+        block.norm1, block.norm1_context, block.norm2, block.norm2_context))
 
 
 # ---------------------------------------------------------------- QwenImageTransformerBlock (Qwen-Image)
@@ -203,10 +195,7 @@ def _qwen_image_block(self, hidden_states: torch.Tensor, encoder_hidden_states: 
 
 
 def _why_not_qwen_image(block) -> str | None:
-    if not all(_norm_kind(norm) == "layer_norm"
-               for norm in (block.img_norm1, block.txt_norm1, block.img_norm2, block.txt_norm2)):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.img_norm1, block.txt_norm1, block.img_norm2, block.txt_norm2))
 
 
 # ---------------------------------------------------------------- HiDream-I1's blocks
@@ -251,11 +240,8 @@ def _hidream_block(self, hidden_states: torch.Tensor, hidden_states_masks: torch
 
 
 def _why_not_hidream(block) -> str | None:
-    norms = ((block.norm1_i, block.norm1_t, block.norm3_i, block.norm3_t) if hasattr(block, "norm1_t")
-             else (block.norm1_i, block.norm3_i))
-    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm1_i, block.norm1_t, block.norm3_i, block.norm3_t)
+                                   if hasattr(block, "norm1_t") else (block.norm1_i, block.norm3_i))
 
 
 # ---------------------------------------------------------------- AuraFlow's blocks
@@ -298,10 +284,8 @@ def _auraflow_joint_block(self, hidden_states: torch.Tensor, encoder_hidden_stat
 
 
 def _why_not_auraflow(block) -> str | None:
-    norms = (block.norm2, block.norm2_context) if hasattr(block, "norm2_context") else (block.norm2,)
-    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm2, block.norm2_context) if hasattr(block, "norm2_context")
+                                   else (block.norm2,))
 
 
 # ---------------------------------------------------------------- LTXVideoTransformerBlock (LTX-Video)
@@ -330,6 +314,4 @@ def _ltx_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.T
 
 
 def _why_not_ltx(block) -> str | None:
-    if not all(_norm_kind(norm) == "rms_norm" and norm.weight is None for norm in (block.norm1, block.norm2)):
-        return "a norm it modulates is not a weightless RMSNorm over the last dim"
-    return None
+    return ops.why_not_weightless_rms_norms((block.norm1, block.norm2))

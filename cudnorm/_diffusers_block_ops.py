@@ -39,11 +39,28 @@ def fusable(*norms) -> bool:
     return True
 
 
+def why_not_layer_norms(norms) -> str | None:
+    """A fused forward's ``why_not``: None where every norm it modulates is a LayerNorm over the
+    last dim (what :func:`modulated` reads), else the reason it cannot run."""
+    if all(_norm_kind(norm) == "layer_norm" for norm in norms):
+        return None
+    return "a norm it modulates is not a LayerNorm over the last dim"
+
+
+def why_not_weightless_rms_norms(norms) -> str | None:
+    """:func:`why_not_layer_norms` for the RMSNorms :func:`rms_modulated` reads."""
+    if all(_norm_kind(norm) == "rms_norm" and norm.weight is None for norm in norms):
+        return None
+    return "a norm it modulates is not a weightless RMSNorm over the last dim"
+
+
 def modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` as one op for ``x [B, S, D]`` and
     per-sample chunks ``scale``/``shift`` ``[B, D]`` (or ``[B, 1, D]``), ``norm`` a LayerNorm
     read, not called. The blocks' own case (no affine parameters, one dtype) goes straight to
     :func:`cudnorm.ada_layer_norm`; any other, :func:`cudnorm._diffusers_forwards._modulated_layer_norm`."""
+    # the checks inline: this runs in every block of a host-bound step (tests/test_patch_blocks.py
+    # counts its Python calls)
     weight, bias, b, d = norm.weight, norm.bias, x.shape[0], x.shape[-1]
     if (weight is None and bias is None and x.dtype is scale.dtype and shift.dtype is scale.dtype and x.dim() == 3
             and scale.shape[0] == b and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape):

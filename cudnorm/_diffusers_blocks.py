@@ -50,7 +50,6 @@ from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _
                                         _ltx_block, _qwen_image_block, _sana_block, _why_not_allegro,
                                         _why_not_auraflow, _why_not_flux2, _why_not_hidream, _why_not_ltx,
                                         _why_not_qwen_image, _why_not_sana)
-from .diffusers import _norm_kind
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
 
@@ -106,9 +105,7 @@ def _why_not_basic(block) -> str | None:
     norms = _basic_fused_norms(block)
     if norms is None:
         return f"norm_type {block.norm_type!r}: no modulation in the block's forward"
-    if not all(_norm_kind(norm) == "layer_norm" for norm in norms):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms(norms)
 
 
 # ---------------------------------------------------------------- JointTransformerBlock (SD3, SD3.5)
@@ -148,9 +145,7 @@ def _joint_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch
 
 
 def _why_not_joint(block) -> str | None:
-    if not all(_norm_kind(norm) == "layer_norm" for norm in _joint_fused_norms(block)):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms(_joint_fused_norms(block))
 
 
 # ---------------------------------------------------------------- FluxTransformerBlock (Flux.1)
@@ -208,9 +203,7 @@ def _chroma_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torc
 
 
 def _why_not_flux(block) -> str | None:
-    if not all(_norm_kind(norm) == "layer_norm" for norm in (block.norm2, block.norm2_context)):
-        return "a norm it modulates is not a LayerNorm over the last dim"
-    return None
+    return ops.why_not_layer_norms((block.norm2, block.norm2_context))
 
 
 # ---------------------------------------------------------------- the table
