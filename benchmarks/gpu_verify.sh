@@ -24,7 +24,8 @@
 # diffusers-all: every transformer class diffusers exports, default config, 1 layer per kind (_bench/real_models/
 #   diffusers_all.py), train and sample; diffusers from benchmarks/diffusers_wheels.sh (the image has none).
 #   models.csv is written after every case: a stage cut at its limit still leaves the cases it ran.
-#   DA_FILTER: the cases to run (comma-separated substrings of case ids, default every class), e.g. the classes
+#   DA_FILTER: the classes to run (comma-separated class names or substrings of case ids, each taken as
+#   diffusers-all:<item>; default every class), e.g. SanaTransformer2DModel,FluxTransformer2DModel:train, or the classes
 #   whose blocks blocks=True fuses with DA_PROVIDERS=torch,cudnorm,cudnorm-blocks,torch-again (default
 #   torch,cudnorm,torch-again).
 #   DIFFUSERS_SITE: a --target folder holding those wheels, put on PYTHONPATH for the diffusers stages alone (its
@@ -119,7 +120,8 @@ PY
     diffusers-all)  # resumed while a case kills the process (a CUDA error ends it), within MODELS_LIMIT in all;
       # DA_SHARD=i/n: the i-th (from 0) of n equal slices of the classes, by name (one GPU each with --spread)
       end=$(( $(date +%s) + ${MODELS_LIMIT:-560} ))
-      filter=${DA_FILTER:-diffusers-all}
+      filter=diffusers-all
+      [ -n "${DA_FILTER:-}" ] && filter=$(echo "$DA_FILTER" | sed -E 's/(^|,)(diffusers-all:)?/\1diffusers-all:/g')
       if [ -n "${DA_SHARD:-}" ]; then
         filter=$(PYTHONPATH=${DIFFUSERS_SITE:+$DIFFUSERS_SITE:}${PYTHONPATH:-} python3 -c "
 import sys; from cudnorm._bench.real_models import diffusers_all as d

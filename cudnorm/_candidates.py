@@ -8,7 +8,8 @@ in the backward's weight-gradient reduction, and lose 10-45% at many other width
 a call's tensors into a closure that runs the work once (the forward, or forward and
 backward for a training call), the same closure :func:`time_closures` times for the
 dispatcher and ``cudnorm bench --sweep`` times for the width sweep. Adding a kernel is one
-entry in :data:`CANDIDATES`; both then measure it.
+entry in :data:`CANDIDATES`; both then measure it. Each candidate is charged its GPU time plus
+its host time per call (:func:`_elapsed_ms` says why).
 
 Candidates:
 
@@ -18,6 +19,14 @@ Candidates:
 * ``kernel``: cudnorm's own Triton kernel (:mod:`cudnorm._norm_kernel`), for the widths and
   row counts where neither of the others reaches the memory bandwidth; launched from C++ on
   the native path (csrc/kernel.cpp), from Python without it.
+
+An affine LayerNorm modulated per sample (op ``"modulated_layer_norm"``: diffusers'
+``layer_norm(x, w, b) * (1 + scale) + shift`` with ``[N]`` weight and bias in the input's dtype,
+``[B, N]`` scale and shift; the signature's weight is the scale's dtype, its bias the shift's):
+``torch`` is that formula in PyTorch's ops, ``cudnn`` the weight and bias folded into the
+modulation and one adaptive LayerNorm (``csrc/fold.cpp``, ``cudnorm.ada_layer_norm``), native
+path only. Both run as a training call does, through autograd, whose nodes' host time (ten
+small ops against two cudnorm nodes) decides host-bound steps.
 
 Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's dtype, its bias
 the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
@@ -51,7 +60,7 @@ class Signature(NamedTuple):
     decision (a model's calls vary their rows with batch and sequence; measuring each count
     would time every new shape)."""
 
-    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm"
+    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "modulated_layer_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
     weight: torch.dtype | None  # None: no weight (adaptive RMSNorm: the scale's)
@@ -86,19 +95,12 @@ class Candidate:
     name: str
     deterministic: bool
     supports: Callable[[Signature], bool]
-    prepare: Callable[..., Callable[[], object]]  # a closure marked by :func:`_from_python` where a call launches from Python
-
-
-def _from_python(closure: Callable[[], object]) -> Callable[[], object]:
-    """Mark ``closure`` as launching its kernels from Python in real calls too: its host time is
-    added to its GPU time when timed (:func:`_elapsed_ms`). Unmarked closures are ops that
-    launch from C++ at about PyTorch's host cost, whose GPU time alone is compared."""
-    closure.python_launch = True
-    return closure
+    prepare: Callable[..., Callable[[], object]]
 
 
 # the ops with a per-sample [B, N] weight and bias, which only these candidates serve
-MODULATED = ("ada_rms_norm",)
+MODULATED = ("ada_rms_norm", "modulated_layer_norm")
+AFFINE_MODULATED = "modulated_layer_norm"
 
 
 def _torch_supports(sig: Signature) -> bool:
@@ -110,6 +112,8 @@ def _torch_supports(sig: Signature) -> bool:
 
 
 def _torch_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op == AFFINE_MODULATED:
+        return _modulated_prepare(sig, x, weight, bias, eps, _modulated_formula)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_torch_run)
     n = [sig.cols]
@@ -157,17 +161,47 @@ def _ada_rms_prepare(sig: Signature, x, scale, shift, eps, run):
     the signature: the gain's add costs the same either way, so both time with it."""
     x3 = x.view(scale.shape[0], -1, sig.cols)
     scale, shift = (None if t is None else t.detach().clone() for t in (scale, shift))
-    # both candidates launch from Python: the formula's several ATen ops, the kernel's Triton launches
-    return _from_python(lambda: run(x3, scale, shift, eps, sig.training))
+    return lambda: run(x3, scale, shift, eps, sig.training)
+
+
+def _modulated_formula(x3, w, b, scale, shift, eps):
+    """diffusers' affine modulated LayerNorm in PyTorch's ops (``scale``/``shift`` ``[B, N]``)."""
+    return torch.nn.functional.layer_norm(x3, (x3.shape[-1],), w, b, eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _modulated_fold(x3, w, b, scale, shift, eps):
+    """The same on the native path: the fold's node, then one adaptive LayerNorm node."""
+    gain, shift = _entry.affine_fold(scale[:, None], shift[:, None], w, b, True, x3)
+    return _entry.ada_layer_norm(x3, gain, shift, eps, False)
+
+
+def _modulated_prepare(sig: Signature, x, scale, shift, eps, fn):
+    """A closure running ``fn`` on the call's ``[B, S, N]`` tokens with a weight of ones and a
+    bias of zeros in the input's dtype, the signature's training call through autograd."""
+    x3 = x.view(scale.shape[0], -1, sig.cols)
+    w, b = torch.ones(sig.cols, dtype=x.dtype, device=x.device), torch.zeros(sig.cols, dtype=x.dtype, device=x.device)
+    scale, shift = scale.detach().clone(), shift.detach().clone()
+    if not sig.training:
+        return lambda: fn(x3, w, b, scale, shift, eps)
+    leaves = [t.detach().requires_grad_() for t in (x3, w, b, scale, shift)]
+
+    def run():
+        with torch.enable_grad():
+            return torch.autograd.grad(fn(*leaves, eps), leaves, x3)
+    return run
 
 
 def _cudnn_supports(sig: Signature) -> bool:
-    # cudnorm's own path serves every call (its ops fall back where no graph does); no cuDNN
-    # graph for adaptive RMSNorm yet
+    # cudnorm's own path serves every plain call (its ops fall back where no graph does); the
+    # affine modulated LayerNorm's fold is a native-path node; no cuDNN graph for adaptive RMSNorm
+    if sig.op == AFFINE_MODULATED:
+        return _entry.native
     return sig.op not in MODULATED
 
 
 def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op == AFFINE_MODULATED:
+        return _modulated_prepare(sig, x, weight, bias, eps, _modulated_fold)
     ops = torch.ops.cudnorm
     if sig.op == "layer_norm":
         if not sig.training:
@@ -187,6 +221,8 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
 
 
 def _kernel_supports(sig: Signature) -> bool:
+    if sig.op == AFFINE_MODULATED:
+        return False
     if sig.op in MODULATED:
         return _ada_rms.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
     return _norm_kernel.available() and _norm_kernel.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
@@ -196,7 +232,7 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_kernel_run)
     rms = sig.op == "rms_norm"
-    if _entry.native and x.is_cuda:  # launched from C++ as a real call is (csrc/kernel.cpp): its GPU time counts
+    if _entry.native and x.is_cuda:  # launched from C++ as a real call is (csrc/kernel.cpp)
         ops = torch.ops.cudnorm_native
         if not sig.training:
             return lambda: ops.kernel_fwd(x, weight, bias, eps, False, rms)
@@ -206,7 +242,7 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
             return ops.kernel_bwd(x, x, weight, stats, rms, None if bias is None else bias.dtype)
         return run_native
     if not sig.training:
-        return _from_python(lambda: _norm_kernel.norm(x, weight, bias, eps, rms))
+        return lambda: _norm_kernel.norm(x, weight, bias, eps, rms)
     # as a training call runs it: its autograd function, then PyTorch's autograd engine calling
     # its backward (host time a call launched from Python pays; leaves of its own)
     xl, wl, bl = (None if t is None else t.detach().requires_grad_() for t in (x, weight, bias))
@@ -215,16 +251,20 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
     def run():
         with torch.enable_grad():
             return torch.autograd.grad(_norm_kernel.norm(xl, wl, bl, eps, rms), inputs, x)
-    return _from_python(run)
+    return run
 
 
 # Which implementation of the candidates a stored decision measured: bumped whenever a change
 # to a candidate would change what its measurement finds, so decisions stored by an earlier
-# revision are measured again (2: cudnorm's kernel launched from C++ on the native path).
-REVISION = 2
+# revision are measured again (2: cudnorm's kernel launched from C++ on the native path; 3: every
+# candidate charged its GPU plus its host time, not its GPU time alone).
+REVISION = 3
 # candidate -> the revision in which it last changed what its measurement finds: a prior written
 # at an earlier revision (``cudnorm/priors/``, key ``candidates_revision``, 1 where absent) does
-# not stand for it (its kernel timings there include the Python launch's host time)
+# not stand for it (its kernel timings there include the Python launch's host time). Revision 3
+# changed no candidate: a prior's GPU times still screen out cliffs (a candidate 3x slower on
+# the GPU stays slower with its host time added), and a call that may not measure (CUDA-graph
+# capture) takes the prior's choice by GPU time, as before.
 CHANGED_IN = {"kernel": 2}
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has
@@ -271,7 +311,6 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     loading each candidate's kernels, which a call pays for its own kernel anyway) and of the
     timed ones (``"timing"``: what measuring costs)."""
     stream = torch.cuda.current_stream(device)
-    host_bound = {name for name, fn in closures.items() if getattr(fn, "python_launch", False)}
     began = time.perf_counter()
     alive = {}
     for name, fn in closures.items():
@@ -289,8 +328,8 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     if not alive:
         return {}
     hosts: dict = {}
-    first = {name: min(_elapsed_ms(fn, 1, stream, name in host_bound, hosts),
-                       _elapsed_ms(fn, 1, stream, name in host_bound, hosts)) for name, fn in alive.items()}
+    first = {name: min(_elapsed_ms(fn, 1, stream, hosts), _elapsed_ms(fn, 1, stream, hosts))
+             for name, fn in alive.items()}
     best = min(first.values())
     out = {name: Timing(ms, 0.0, 1) for name, ms in first.items() if ms > CLIFF * best}
     timed = {name: fn for name, fn in alive.items() if name not in out}
@@ -299,7 +338,7 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     samples = {name: [] for name in timed}
     for _ in range(rounds):
         for name, fn in timed.items():
-            samples[name].append(_elapsed_ms(fn, reps[name], stream, name in host_bound, hosts))
+            samples[name].append(_elapsed_ms(fn, reps[name], stream, hosts))
     for name, values in samples.items():
         mid = statistics.median(values)
         out[name] = Timing(mid, (max(values) - min(values)) / mid if mid > 0 else 0.0, len(values))
@@ -313,15 +352,15 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
 _SLEEP_CYCLES_PER_MS = 2.0e6
 
 
-def _elapsed_ms(fn, reps: int, stream, host_counts: bool, hosts: dict) -> float:
-    """ms per call of ``fn`` over ``reps`` back-to-back calls: the GPU time between events, with a
-    GPU sleep queued first so the host's enqueueing does not show (cuDNN's and PyTorch's ops
-    launch from C++ in real calls, at about the same host cost); ``host_counts``: that plus the
-    host's time per call. A kernel launched from Python pays several times a C++ launch's host
-    time; in a step whose host is the bottleneck every microsecond of it counts, in one whose
-    GPU is, none does. The sum makes it serve only where it saves more GPU time than it costs
-    host time (docs/performance.md, Decisions).
-    ``hosts``: host ms per call of each closure seen last, which sizes its next sleep."""
+def _elapsed_ms(fn, reps: int, stream, hosts: dict) -> float:
+    """ms per call of ``fn`` over ``reps`` back-to-back calls: its GPU time (between events, with
+    a GPU sleep queued first so that the host's enqueueing does not show) plus its host time
+    per call. A step bound by its GPU pays a norm's GPU time, one bound by its host pays its
+    host time, and a candidate cannot know which step calls it: charged both, cuDNN (whose
+    execute costs more host time than PyTorch's launch) or cudnorm's kernel replaces PyTorch's
+    op only where it saves more GPU time than it adds host time, so a host-bound step does not
+    lose what a GPU-bound one gains (docs/performance.md, Decisions). ``hosts``: host ms per
+    call of each closure seen last, which sizes its next sleep."""
     host_guess = hosts.get(fn, 0.2)
     torch.cuda._sleep(int(_SLEEP_CYCLES_PER_MS * (1.5 * host_guess * reps + 0.02)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -333,8 +372,7 @@ def _elapsed_ms(fn, reps: int, stream, host_counts: bool, hosts: dict) -> float:
     end.record(stream)
     end.synchronize()
     hosts[fn] = host
-    gpu = start.elapsed_time(end) / reps
-    return gpu + host if host_counts else gpu
+    return start.elapsed_time(end) / reps + host
 
 
 # cuDNN (or cudnorm's kernel) replaces PyTorch's op only where it is faster by more than the

@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from . import _checks, _entry
+from . import _candidates, _checks, _decisions, _entry
 from .ada_layer_norm import ada_layer_norm
 from .ada_rms_norm import ada_rms_norm
 from .layer_norm import layer_norm
@@ -123,6 +123,8 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     # dtype, as the op rounds its own 1 + scale (and so the default policy may hand small or
     # compiled calls to PyTorch's ops, which it does only for parameters of x's dtype)
     if _native_fold(x, scale, shift, weight, bias):
+        if per_sample and _formula_serves(x, scale, shift, weight, bias):
+            return torch.nn.functional.layer_norm(x, (d,), weight, bias, eps) * (1 + scale) + shift
         gain, shift = _entry.affine_fold(scale, shift, weight, bias, True, x)
     else:
         wide = torch.promote_types(dtype, torch.float32)
@@ -133,6 +135,19 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     if per_sample:
         return ada_layer_norm(x, gain, shift, eps)
     return layer_norm(x, d, gain, shift, eps)
+
+
+def _formula_serves(x, scale, shift, weight, bias) -> bool:
+    """Whether diffusers' own formula (PyTorch's LayerNorm, then the modulation) serves a per-sample
+    affine call: the measured decision of its signature (op ``"modulated_layer_norm"``,
+    :mod:`cudnorm._candidates`), charged GPU plus host time. The fold and one adaptive LayerNorm
+    save the modulation's passes over ``x`` but cost two cudnorm nodes' host time, which a
+    host-bound step pays (CogVideoX's steps at 1,350 tokens: 0.87-0.90x, docs/performance.md)."""
+    tensors = (x, scale, shift, weight, bias)
+    if any(t is not None and t.dtype is not x.dtype for t in tensors):
+        return False  # the signature's candidates are timed with every tensor in x's dtype
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return _decisions.serves(_candidates.AFFINE_MODULATED, x, x.shape[-1], scale, shift, training) == "torch"
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
