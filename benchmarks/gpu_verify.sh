@@ -75,7 +75,8 @@ for stage in "$@"; do
       wait
       # tests marked `alone` measure the whole GPU's memory: after the parts, with the GPU to themselves
       # (in the first shard only)
-      if [ "${TESTS_SHARD:-0/1}" = "0/${TESTS_SHARD#*/}" ] || [ -z "${TESTS_SHARD:-}" ]; then
+      shard=${TESTS_SHARD:-0/1}
+      if [ "$shard" = "0/${shard#*/}" ]; then
         CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
           -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
       fi

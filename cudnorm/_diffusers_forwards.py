@@ -144,8 +144,8 @@ def _formula_serves(x, scale, shift, weight, bias) -> bool:
     save the modulation's passes over ``x`` but cost two cudnorm nodes' host time, which a
     host-bound step pays (CogVideoX's steps at 1,350 tokens: 0.87-0.90x, docs/performance.md)."""
     tensors = (x, scale, shift, weight, bias)
-    if any(t is not None and t.dtype is not x.dtype for t in tensors):
-        return False  # the signature's candidates are timed with every tensor in x's dtype
+    if x.numel() == 0 or any(t is not None and t.dtype is not x.dtype for t in tensors):
+        return False  # nothing to time, or not the signature's dtypes (its candidates run in x's)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     return _decisions.serves(_candidates.AFFINE_MODULATED, x, x.shape[-1], scale, shift, training) == "torch"
 

@@ -297,11 +297,12 @@ def test_modulated_layer_norm_is_served_by_measurement(tokens):
     def formula(x, scale, shift, weight, bias):
         return torch.nn.functional.layer_norm(x, (d,), weight, bias, 1e-6) * (1 + scale) + shift
 
-    ours, our_grads = _grads(lambda *t: _modulated_layer_norm(*t[:3], 1e-6, *t[3:]), inputs)
+    with cudnorm.config(policy="auto"):  # the tests' default is policy="cudnn": the fold
+        ours, our_grads = _grads(lambda *t: _modulated_layer_norm(*t[:3], 1e-6, *t[3:]), inputs)
     theirs, their_grads = _grads(formula, inputs)
     ref, ref_grads = _grads(formula, [t.double() for t in inputs])
     rows = [r for r in cudnorm.serving_decisions() if r["signature"].startswith("modulated_layer_norm/train")]
-    assert len(rows) == 1 and rows[0]["source"] in ("measured", "stored"), rows
+    assert len(rows) == 1 and rows[0]["source"] == "measured", rows
     assert set(rows[0]["ms"]) == {"torch", "cudnn"}, rows[0]
 
     def rel(a, r):

@@ -209,9 +209,9 @@ def test_small_cuda_calls_build_no_plan_and_equal_pytorch(auto, fresh_cache):
 
 @gpu
 def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
-    """With the native launch path every eager CUDA call but the smallest runs on cuDNN by
-    default (NATIVE_CUDNN_MIN_ELEMENTS: its host cost is about PyTorch's); a decode-sized call
-    runs PyTorch's op."""
+    """With the native launch path every eager CUDA call but the smallest takes its measured
+    decision by default (NATIVE_CUDNN_MIN_ELEMENTS: its host cost is about PyTorch's); a
+    decode-sized call runs PyTorch's op."""
     if cudnorm.get_config().native == "off":
         pytest.skip("the native launch path is switched off")
     x = torch.randn(2, 256, 1152, device="cuda", dtype=BF16)
@@ -220,7 +220,10 @@ def test_native_path_runs_small_calls_on_cudnn(auto, fresh_cache):
     torch.testing.assert_close(y, F.layer_norm(x, (1152,), w, w))
     if _native.status()["active"]:
         assert cudnorm.cache_info().builds > 0
-        assert cudnorm.serving_path("layer_norm", x) == "cudnn"
+        # not handed to PyTorch for its size: the measured decision serves it (cuDNN, cudnorm's kernel
+        # or PyTorch's op, whichever measured fastest)
+        path = cudnorm.serving_path("layer_norm", x)
+        assert not path.startswith("torch (small call"), path
         token = x[:1, :1]  # one decode token: [1, 1, 1152]
         assert token.numel() < _policy.NATIVE_CUDNN_MIN_ELEMENTS
         builds = cudnorm.cache_info().builds
