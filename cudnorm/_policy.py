@@ -49,7 +49,8 @@ some widths (7-16x slower than PyTorch at 88, 96 and 2240 on an H100; docs/perfo
 "Width sweep"). For each call signature (op, training or inference, dtypes, width, a bucket
 of row counts: :class:`cudnorm._candidates.Signature`) the first eager call times the
 candidates of :mod:`cudnorm._candidates` (cuDNN, PyTorch's op, cudnorm's own kernel) on
-tensors of its shape, and the fastest serves every later call; cuDNN or the kernel replace
+tensors of its shape, each charged its GPU plus its host time, and the fastest serves every
+later call; cuDNN or the kernel replace
 PyTorch's op only where they beat it by more than the measurement's spread. Decisions are
 kept in memory, in C++ on the native path (a lookup beside the recipe's), and in the plan
 store (:mod:`cudnorm._plan_store`), so a later process on the same GPU and software measures

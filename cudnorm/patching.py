@@ -414,10 +414,13 @@ def patch(model: torch.nn.Module, *, blocks: bool = False) -> PatchReport:
     Args:
         model: any ``nn.Module`` (a transformers ``PreTrainedModel``, a diffusers model, a
             plain PyTorch model, a single norm).
-        blocks: also swap the forward of diffusers' DiT/PixArt, SD3 and Flux transformer
-            blocks (:mod:`cudnorm._diffusers_blocks`), so that the modulation those blocks
-            apply after a plain LayerNorm runs fused with it; opt-in until GPU model steps
-            show it faster (docs/patching.md). Those blocks are listed in ``swapped`` too.
+        blocks: also swap the forward of the diffusers transformer blocks that modulate
+            a plain norm's output inline (DiT/PixArt, SD3, Flux and the blocks sharing its
+            forward, Chroma, FLUX.2, Sana, Allegro, HiDream-I1, Qwen-Image, LTX-Video,
+            AuraFlow: :data:`cudnorm._diffusers_blocks.BLOCKS`), so that the modulation runs
+            fused with the norm; opt-in: GPU model steps show it ahead of the plain patch on
+            most of them and behind on Allegro (docs/patching.md). Those blocks are listed in
+            ``swapped`` too.
 
     Returns:
         A :class:`PatchReport`; ``print(report)`` summarises it. Outputs match the original
