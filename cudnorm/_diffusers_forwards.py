@@ -106,7 +106,9 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     ``scale``/``shift`` come indexed as diffusers broadcasts them: ``[B, 1, D]`` per sample
     for ``x [B, S, D]``, or ``[D]`` shared. Per-sample pairs run one :func:`ada_layer_norm`,
     shared pairs one :func:`layer_norm`; an affine weight/bias is folded into the gain and
-    shift first: ``(xhat * w + b) * (1 + s) + t == xhat * (w * (1 + s)) + (b * (1 + s) + t)``.
+    shift first: ``(xhat * w + b) * (1 + s) + t == xhat * (w * (1 + s)) + (b * (1 + s) + t)``,
+    except where the measured decision of a per-sample affine call picks diffusers' formula
+    itself (:func:`_formula_serves`).
     Returns the promotion of ``x``'s and the modulation's dtypes, as diffusers' formula does.
     """
     d = x.shape[-1]
