@@ -28,6 +28,12 @@ modulation and one adaptive LayerNorm (``csrc/fold.cpp``, ``cudnorm.ada_layer_no
 path only. Both run as a training call does, through autograd, whose nodes' host time (ten
 small ops against two cudnorm nodes) decides host-bound steps.
 
+The adaptive LayerNorm itself (op ``"ada_layer_norm"``, :func:`cudnorm.ada_layer_norm`: no
+affine parameters, ``[B, N]`` scale and shift) has the same two candidates without the fold:
+``torch`` the formula, ``cudnn`` cudnorm's AdaLN (cuDNN's graphs and its fused backward), on
+either launch path, both through autograd; its backward runs cuDNN's norm engines, which have
+the cliffs above.
+
 Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's dtype, its bias
 the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
 kernels (:mod:`cudnorm._ada_rms`).
@@ -60,11 +66,11 @@ class Signature(NamedTuple):
     decision (a model's calls vary their rows with batch and sequence; measuring each count
     would time every new shape)."""
 
-    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "modulated_layer_norm"
+    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
-    weight: torch.dtype | None  # None: no weight (adaptive RMSNorm: the scale's)
-    bias: torch.dtype | None  # None: no bias (always None for RMSNorm; adaptive RMSNorm: the shift's)
+    weight: torch.dtype | None  # None: no weight (the per-sample ops: the scale's)
+    bias: torch.dtype | None  # None: no bias (always None for RMSNorm; the per-sample ops: the shift's)
     cols: int
     rows_bucket: int
 
@@ -99,8 +105,11 @@ class Candidate:
 
 
 # the ops with a per-sample [B, N] weight and bias, which only these candidates serve
-MODULATED = ("ada_rms_norm", "modulated_layer_norm")
+MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm")
 AFFINE_MODULATED = "modulated_layer_norm"
+ADA_LAYER_NORM = "ada_layer_norm"
+# the per-sample LayerNorms: PyTorch's formula against cudnorm's adaptive LayerNorm
+_LAYER_NORM_MODULATED = (AFFINE_MODULATED, ADA_LAYER_NORM)
 
 
 def _torch_supports(sig: Signature) -> bool:
@@ -112,7 +121,7 @@ def _torch_supports(sig: Signature) -> bool:
 
 
 def _torch_prepare(sig: Signature, x, weight, bias, eps):
-    if sig.op == AFFINE_MODULATED:
+    if sig.op in _LAYER_NORM_MODULATED:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_formula)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_torch_run)
@@ -165,7 +174,8 @@ def _ada_rms_prepare(sig: Signature, x, scale, shift, eps, run):
 
 
 def _modulated_formula(x3, w, b, scale, shift, eps):
-    """diffusers' affine modulated LayerNorm in PyTorch's ops (``scale``/``shift`` ``[B, N]``)."""
+    """diffusers' modulated LayerNorm in PyTorch's ops (``scale``/``shift`` ``[B, N]``; ``w``/``b``
+    ``[N]`` or None)."""
     return torch.nn.functional.layer_norm(x3, (x3.shape[-1],), w, b, eps) * (1 + scale[:, None]) + shift[:, None]
 
 
@@ -175,19 +185,30 @@ def _modulated_fold(x3, w, b, scale, shift, eps):
     return _entry.ada_layer_norm(x3, gain, shift, eps, False)
 
 
+def _ada_cudnn(x3, w, b, scale, shift, eps):
+    """cudnorm's adaptive LayerNorm op as a served call runs it (past the decision that times it):
+    cuDNN's forward graph, its autograd node and fused backward."""
+    return torch.ops.cudnorm.ada_layer_norm_fwd(x3, scale, shift, eps, True, torch.is_grad_enabled())[0]
+
+
 def _modulated_prepare(sig: Signature, x, scale, shift, eps, fn):
-    """A closure running ``fn`` on the call's ``[B, S, N]`` tokens with a weight of ones and a
-    bias of zeros in the input's dtype, the signature's training call through autograd."""
+    """A closure running ``fn`` on the call's ``[B, S, N]`` tokens, the signature's training call
+    through autograd; the affine op's with a weight of ones and a bias of zeros in the input's
+    dtype, the adaptive LayerNorm's with none."""
     x3 = x.view(scale.shape[0], -1, sig.cols)
-    w, b = torch.ones(sig.cols, dtype=x.dtype, device=x.device), torch.zeros(sig.cols, dtype=x.dtype, device=x.device)
+    w = b = None
+    if sig.op == AFFINE_MODULATED:
+        w, b = (torch.ones(sig.cols, dtype=x.dtype, device=x.device),
+                torch.zeros(sig.cols, dtype=x.dtype, device=x.device))
     scale, shift = scale.detach().clone(), shift.detach().clone()
     if not sig.training:
         return lambda: fn(x3, w, b, scale, shift, eps)
-    leaves = [t.detach().requires_grad_() for t in (x3, w, b, scale, shift)]
+    leaves = [None if t is None else t.detach().requires_grad_() for t in (x3, w, b, scale, shift)]
+    inputs = [t for t in leaves if t is not None]
 
     def run():
         with torch.enable_grad():
-            return torch.autograd.grad(fn(*leaves, eps), leaves, x3)
+            return torch.autograd.grad(fn(*leaves, eps), inputs, x3)
     return run
 
 
@@ -196,12 +217,14 @@ def _cudnn_supports(sig: Signature) -> bool:
     # affine modulated LayerNorm's fold is a native-path node; no cuDNN graph for adaptive RMSNorm
     if sig.op == AFFINE_MODULATED:
         return _entry.native
-    return sig.op not in MODULATED
+    return sig.op == ADA_LAYER_NORM or sig.op not in MODULATED
 
 
 def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
     if sig.op == AFFINE_MODULATED:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_fold)
+    if sig.op == ADA_LAYER_NORM:
+        return _modulated_prepare(sig, x, weight, bias, eps, _ada_cudnn)
     ops = torch.ops.cudnorm
     if sig.op == "layer_norm":
         if not sig.training:
@@ -221,7 +244,7 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
 
 
 def _kernel_supports(sig: Signature) -> bool:
-    if sig.op == AFFINE_MODULATED:
+    if sig.op in _LAYER_NORM_MODULATED:
         return False
     if sig.op in MODULATED:
         return _ada_rms.supports(sig.cols, sig.dtype, sig.weight, sig.bias)

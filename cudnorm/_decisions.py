@@ -1,5 +1,5 @@
-"""Measured decisions: which kernel serves each LayerNorm/RMSNorm/adaptive RMSNorm call signature (rule 4 of
-:mod:`cudnorm._policy`).
+"""Measured decisions: which kernel serves each LayerNorm/RMSNorm/adaptive LayerNorm/adaptive RMSNorm call
+signature (rule 4 of :mod:`cudnorm._policy`).
 
 :func:`server` answers ``"torch"``, ``"cudnn"`` or ``"kernel"`` for an eager CUDA call the size
 rules left to cudnorm. A signature (:class:`cudnorm._candidates.Signature`) is decided once:

@@ -31,7 +31,8 @@ with no cudnorm op or autograd node in between:
 3. eager with fewer than :data:`CUDNN_MIN_ELEMENTS` input elements (while the native launch
    path serves, :data:`NATIVE_CUDNN_MIN_ELEMENTS`): PyTorch's ops;
 4. otherwise the measured decision of the call's signature (below): cuDNN, PyTorch's op or
-   cudnorm's own kernel, whichever measured fastest.
+   cudnorm's own kernel, whichever measured fastest (an adaptive LayerNorm: cuDNN's AdaLN or
+   the formula in PyTorch's ops).
 
 Calls with fp32 weights on half-precision input skip rule 3 on CUDA: at every size they take
 the measured decision (cuDNN's path rounds the weights as cuDNN reads them and keeps its weight

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ada_strategies as strategies
-from . import _cache, _call_plans, _checks, _dispatch, _entry, _norm, _ops, _policy, _runtime
+from . import _cache, _call_plans, _candidates, _checks, _decisions, _dispatch, _entry, _norm, _ops, _policy, _runtime
 
 _OP = "ada_layer_norm"
 _F32 = torch.float32
@@ -294,8 +294,9 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         (scale/shift gradients are accumulated in fp32 and returned in their dtype). With
         bf16/fp16 input the forward reads the gain ``1 + scale`` (summed in fp32) and shift
         rounded to ``input.dtype``, as PyTorch's eager formula in that dtype does. Small
-        calls and calls traced by ``torch.compile`` run PyTorch's ops instead
-        (:mod:`cudnorm._policy`).
+        calls and calls traced by ``torch.compile`` run PyTorch's ops instead, and under
+        ``policy="auto"`` a larger eager call runs whichever of the formula in PyTorch's ops and
+        cuDNN's AdaLN measured faster for its signature (:mod:`cudnorm._policy`, rule 4).
     """
     # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
     # implementation, which the C++ entry would hand it back to through the dispatcher
@@ -328,6 +329,9 @@ def python_ada_layer_norm(input, scale, shift, eps, one_plus_scale):
     sc = scale if scale.dim() == 2 else scale.reshape(b, d)
     sh = shift if shift.dim() == 2 else shift.reshape(b, d)
     training = torch.is_grad_enabled() and (input.requires_grad or scale.requires_grad or shift.requires_grad)
+    if (_ops.eager(input) and input.numel() and scale.dtype is input.dtype and shift.dtype is input.dtype
+            and _decisions.serves(_candidates.ADA_LAYER_NORM, input, d, sc, sh, training) == "torch"):
+        return _torch_ops(input, scale, shift, eps, one_plus_scale)  # the measured decision (policy "auto")
     if not _ops.eager(input):
         y = ada_layer_norm_fwd(x, sc, sh, eps, one_plus_scale, training)[0]
     elif training:

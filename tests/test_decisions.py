@@ -123,6 +123,47 @@ def test_modulated_layer_norm_takes_the_formula_where_it_is_decided(monkeypatch)
     assert asked == []
 
 
+def test_ada_layer_norm_candidates():
+    """The adaptive LayerNorm: PyTorch's formula and cudnorm's AdaLN compete on either launch
+    path (cuDNN's only outside deterministic algorithms), cudnorm's kernel never; the formula's
+    closure runs a training call's forward and backward through autograd."""
+    sig = Signature(_candidates.ADA_LAYER_NORM, True, BF16, BF16, BF16, 64, 8)
+    assert _candidates.candidates_for(sig) == ["torch", "cudnn"]
+    assert _candidates.candidates_for(sig, deterministic=True) == ["torch"]
+    x, scale, shift = torch.randn(2 * 8, 64), torch.randn(2, 64), torch.randn(2, 64)
+    grads = _candidates.CANDIDATES["torch"].prepare(sig, x, scale, shift, 1e-6)()
+    assert [tuple(g.shape) for g in grads] == [(2, 8, 64), (2, 64), (2, 64)]
+    y = _candidates.CANDIDATES["torch"].prepare(sig._replace(training=False), x, scale, shift, 1e-6)()
+    want = torch.nn.functional.layer_norm(x.view(2, 8, 64), (64,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    torch.testing.assert_close(y, want)
+
+
+def test_ada_layer_norm_takes_the_formula_where_it_is_decided(monkeypatch):
+    """Where the measured decision of an adaptive LayerNorm's signature says ``torch``, the call
+    computes the formula in PyTorch's ops: no cudnorm node; another answer keeps cudnorm's."""
+    from cudnorm import ada_layer_norm as ada
+
+    asked = []
+    monkeypatch.setattr(_decisions, "serves", lambda op, *a: asked.append(op) or "torch")
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    scale, shift = 0.1 * torch.randn(2, 64), 0.1 * torch.randn(2, 64)
+    with cudnorm.config(policy="cudnn"):  # past the size rules, as a large CUDA call is
+        y = cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)
+    assert asked == [_candidates.ADA_LAYER_NORM]
+    assert "cudnorm" not in type(y.grad_fn).__name__.lower() and "AdaLayerNorm" not in type(y.grad_fn).__name__
+    want = torch.nn.functional.layer_norm(x, (64,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    torch.testing.assert_close(y, want)
+    monkeypatch.setattr(_decisions, "serves", lambda op, *a: asked.append(op) or "cudnn")
+    with cudnorm.config(policy="cudnn"):
+        y = cudnorm.ada_layer_norm(x, scale, shift, 1e-6, one_plus_scale=True)
+    assert "AdaLayerNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    torch.testing.assert_close(y, want)
+    asked.clear()
+    with cudnorm.config(policy="cudnn"):  # fp32 modulation of bf16 x: not the signature's dtypes
+        cudnorm.ada_layer_norm(x.detach().bfloat16(), scale, shift, 1e-6)
+    assert asked == []
+
+
 def test_candidates_follow_dtypes_and_determinism():
     assert _candidates.candidates_for(_sig(), deterministic=True) == [
         n for n in ("torch", "kernel") if _candidates.CANDIDATES[n].supports(_sig())]

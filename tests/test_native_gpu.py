@@ -312,6 +312,34 @@ def test_modulated_layer_norm_is_served_by_measurement(tokens):
         assert rel(a, r) <= 2 * rel(t, r) + 1e-3, f"{name} ({rows[0]['serves']}): {rel(a, r):.3g} vs {rel(t, r):.3g}"
 
 
+@pytest.mark.parametrize("native", ["auto", "off"])
+@pytest.mark.parametrize("tokens", [256, 8192])
+def test_ada_layer_norm_is_served_by_measurement(tokens, native):
+    """An adaptive LayerNorm (DiT's, and every fused block's) takes the measured decision of its
+    signature on both launch paths: cuDNN's AdaLN or the formula in PyTorch's ops, both timed
+    through autograd; either meets the 2x rule against fp64."""
+    cudnorm.clear_cache()
+    b, d = 2, 2304
+    inputs = [_bf16(b, tokens, d), _bf16(b, d, scale=0.1), _bf16(b, d, scale=0.1)]
+
+    def formula(x, scale, shift):
+        return F.layer_norm(x, (d,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+
+    with cudnorm.config(policy="auto", native=native):  # the tests' default is policy="cudnn"
+        ours, our_grads = _grads(lambda *t: cudnorm.ada_layer_norm(*t, 1e-6, one_plus_scale=True), inputs)
+    theirs, their_grads = _grads(formula, inputs)
+    ref, ref_grads = _grads(formula, [t.double() for t in inputs])
+    rows = [r for r in cudnorm.serving_decisions() if r["signature"].startswith("ada_layer_norm/train")]
+    # the other launch path's run may have stored it (the same signature): measured either way
+    assert len(rows) == 1 and rows[0]["source"] in ("measured", "stored"), rows
+    assert set(rows[0]["ms"]) == {"torch", "cudnn"}, rows[0]
+
+    def rel(a, r):
+        return ((a.double() - r).norm() / r.norm()).item()
+    for name, a, t, r in zip(["y", "x", "scale", "shift"], ours + our_grads, theirs + their_grads, ref + ref_grads):
+        assert rel(a, r) <= 2 * rel(t, r) + 1e-3, f"{name} ({rows[0]['serves']}): {rel(a, r):.3g} vs {rel(t, r):.3g}"
+
+
 def test_double_backward_matches_python_path():
     x, w = _bf16(64, 512).float(), 1 + 0.1 * torch.randn(512, device="cuda")
 

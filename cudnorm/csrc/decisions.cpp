@@ -1,4 +1,5 @@
-// Which kernel serves an eager LayerNorm/RMSNorm call: the answers cudnorm._decisions measured.
+// Which kernel serves an eager LayerNorm/RMSNorm/adaptive LayerNorm call: the answers
+// cudnorm._decisions measured.
 //
 // Python decides each call signature once (op, training or not, dtypes, width, a bucket of row
 // counts: cudnorm._candidates.Signature), timing cuDNN, PyTorch's op and cudnorm's own kernel
@@ -37,10 +38,10 @@ int64_t bit_length(int64_t v) { return v > 0 ? 64 - __builtin_clzll(static_cast<
 
 }  // namespace
 
-Server server_for(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
+Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
                   const OptTensor& bias) {
   // cudnorm._candidates.signature: row counts within a factor of two share a decision
-  const Key key{rms, training, static_cast<int64_t>(input.scalar_type()), dtype_code(weight), dtype_code(bias), n,
+  const Key key{static_cast<int64_t>(op), training, static_cast<int64_t>(input.scalar_type()), dtype_code(weight), dtype_code(bias), n,
                 bit_length(input.numel() / n), input.get_device(), at::globalContext().deterministicAlgorithms()};
   uint64_t seen;
   {
@@ -50,11 +51,12 @@ Server server_for(bool rms, bool training, const Tensor& input, int64_t n, const
     seen = decisions_generation;
   }
   // Python may build plans and time candidates: no lock held meanwhile
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("cudnorm::_serve_py", "")
-                       .typed<std::vector<int64_t>(c10::string_view, const Tensor&, int64_t, const OptTensor&,
-                                                   const OptTensor&, bool)>();
-  const auto answer = op.call(rms ? "rms_norm" : "layer_norm", input, n, weight, bias, training);
+  static auto serve_py = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("cudnorm::_serve_py", "")
+                             .typed<std::vector<int64_t>(c10::string_view, const Tensor&, int64_t, const OptTensor&,
+                                                         const OptTensor&, bool)>();
+  static const char* const names[] = {"layer_norm", "rms_norm", "ada_layer_norm"};
+  const auto answer = serve_py.call(names[static_cast<int64_t>(op)], input, n, weight, bias, training);
   TORCH_CHECK(answer.size() == 2, "cudnorm: malformed decision from Python");
   const auto server = static_cast<Server>(answer[0]);
   if (answer[1]) {  // kept: a decision made with timing allowed (not while capturing)

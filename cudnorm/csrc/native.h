@@ -114,12 +114,17 @@ const Settings& settings();
 void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured);
 
 // ---------------------------------------------------------------- decisions (decisions.cpp)
-// What serves an eager LayerNorm / RMSNorm call: cuDNN's plans (this library), PyTorch's op,
-// or cudnorm's own kernel (kernel.cpp).
+// What serves an eager LayerNorm / RMSNorm / adaptive LayerNorm call: cuDNN's plans (this
+// library), PyTorch's op (the adaptive LayerNorm's: diffusers' formula), or cudnorm's own
+// kernel (kernel.cpp).
 enum class Server : int64_t { Cudnn = 0, Torch = 1, Kernel = 2 };
+// The ops C++ asks decisions for (cudnorm._candidates.Signature.op: "layer_norm", "rms_norm",
+// "ada_layer_norm")
+enum class MeasuredOp : int64_t { LayerNorm = 0, RmsNorm = 1, AdaLayerNorm = 2 };
 // The measured decision of the call's signature (cudnorm._decisions): from the table, else
-// decided by Python (which may time the candidates on `input`).
-Server server_for(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
+// decided by Python (which may time the candidates on `input`). An adaptive LayerNorm's weight
+// and bias are its scale and shift ([B, n]).
+Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
                   const OptTensor& bias);
 void clear_decisions();
 
