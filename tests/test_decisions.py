@@ -141,7 +141,6 @@ def test_ada_layer_norm_candidates():
 def test_ada_layer_norm_takes_the_formula_where_it_is_decided(monkeypatch):
     """Where the measured decision of an adaptive LayerNorm's signature says ``torch``, the call
     computes the formula in PyTorch's ops: no cudnorm node; another answer keeps cudnorm's."""
-    from cudnorm import ada_layer_norm as ada
 
     asked = []
     monkeypatch.setattr(_decisions, "serves", lambda op, *a: asked.append(op) or "torch")
