@@ -141,7 +141,6 @@ def test_ada_layer_norm_candidates():
 def test_ada_layer_norm_takes_the_formula_where_it_is_decided(monkeypatch):
     """Where the measured decision of an adaptive LayerNorm's signature says ``torch``, the call
     computes the formula in PyTorch's ops: no cudnorm node; another answer keeps cudnorm's."""
-
     asked = []
     monkeypatch.setattr(_decisions, "serves", lambda op, *a: asked.append(op) or "torch")
     x = torch.randn(2, 8, 64, requires_grad=True)
