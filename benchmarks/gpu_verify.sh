@@ -9,7 +9,7 @@
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own under OUT/sweep.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
-# the tests marked `alone` run after them, in one process. TESTS_SHARD=i/n: only every n-th test
+# the tests marked `alone` run after them, in one process (ALONE_LIMIT s, default LIMIT's). TESTS_SHARD=i/n: only every n-th test
 # from the i-th (from 0), to spread the suite over n GPUs, one invocation per GPU with its own
 # OUT and CUDA_VISIBLE_DEVICES (the `alone` tests in shard 0); a 230 s LIMIT cut the whole suite
 # on one GPU to 719 of its tests (4-GPU H200, beside 3 other jobs).
@@ -77,7 +77,7 @@ for stage in "$@"; do
       # (in the first shard only)
       shard=${TESTS_SHARD:-0/1}
       if [ "$shard" = "0/${shard#*/}" ]; then
-        CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+        CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${ALONE_LIMIT:-${LIMIT:-420}}" python3 -m pytest -q -p no:cacheprovider \
           -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
       fi
       tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log

@@ -216,7 +216,8 @@ def prior_file() -> str:
 
 def explain(op: str, input: torch.Tensor, weight, training: bool) -> str:
     """Why a decided signature is served as it is (for :func:`cudnorm.serving_path`)."""
-    sig = _candidates.signature(op, training, input, weight, weight if op == "layer_norm" else None, input.shape[-1])
+    bias = weight if op in ("layer_norm", _candidates.ADA_LAYER_NORM) else None  # an AdaLN's: its shift
+    sig = _candidates.signature(op, training, input, weight, bias, input.shape[-1])
     why = (DECIDED.peek((sig, input.get_device(), torch.are_deterministic_algorithms_enabled())) or ("", {}))[1]
     times = ", ".join(f"{name} {ms:.4g} ms" for name, ms in sorted(why.get("ms", {}).items(), key=lambda kv: kv[1]))
     return f"{why.get('source', 'decided')} for {sig.key()}" + (f": {times}" if times else "")

@@ -87,11 +87,13 @@ def serving_path(op: str, input: torch.Tensor | None = None) -> str:
     elif reason is None and _policy.torch_serves(input):
         reason = (f"{'traced by torch.compile' if torch.compiler.is_compiling() else 'small call'}: "
                   f"policy 'auto', {_policy.CUDNN_MIN_ELEMENTS} elements or more run on cuDNN")
-    if reason is None and op != "ada_layer_norm" and input.dim() and input.numel():
-        # the measured decision of the call's signature (weights of the input's dtype), made now if need be
-        weight = input.new_empty(input.shape[-1:])
+    if reason is None and input.dim() >= (2 if op == "ada_layer_norm" else 1) and input.numel():
+        # the measured decision of the call's signature (weights of the input's dtype; an adaptive
+        # LayerNorm's scale and shift [B, D]), made now if need be
+        d = input.shape[-1]
+        weight = input.new_empty((input.shape[0], d) if op == "ada_layer_norm" else (d,))
         training = torch.is_grad_enabled() and input.requires_grad
-        serves = _decisions.serves(op, input, input.shape[-1], weight, weight if op == "layer_norm" else None, training)
+        serves = _decisions.serves(op, input, d, weight, None if op == "rms_norm" else weight, training)
         if serves != "cudnn":
             return f"{serves} ({_decisions.explain(op, input, weight, training)})"
     return _path(reason)
