@@ -50,10 +50,13 @@ fi
 out=${1:?output directory}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CUDNORM_PLAN_STORE_DIR="$out/plan-store"
+# a test running longer than this prints every thread's stack into its part's log (pytest's
+# faulthandler_timeout): a part cut by its limit then says where it was
+STUCK_S=${STUCK_S:-60}
 pytest_gpu() {  # name, limit, files...: failures are reported inline (-rfE) and as XML
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short \
-    --junitxml="$out/$name.xml" "$@" 2>&1 | grep -vE "nanobind|leaked|skipped remainder" | tee "$out/$name.log" | tail -25
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short -o faulthandler_timeout="$STUCK_S" \
+    --junitxml="$out/$name.xml" "$@" 2>&1 | grep --line-buffered -vE "nanobind|leaked|skipped remainder" | tee "$out/$name.log" | tail -25
 }
 for stage in "$@"; do
   echo "== $stage"
@@ -70,6 +73,7 @@ for stage in "$@"; do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$out/gpu_ids.txt" > "$out/ids_$i"
         mapfile -t ids < "$out/ids_$i"
         CUDNORM_PLAN_STORE_DIR="$out/plan-store-$i" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+          -o faulthandler_timeout="$STUCK_S" \
           -rfEs --tb=short --junitxml="$out/part$i.xml" "${ids[@]}" > "$out/part$i.log" 2>&1 &
       done
       wait
@@ -78,6 +82,7 @@ for stage in "$@"; do
       shard=${TESTS_SHARD:-0/1}
       if [ "$shard" = "0/${shard#*/}" ]; then
         CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${ALONE_LIMIT:-${LIMIT:-420}}" python3 -m pytest -q -p no:cacheprovider \
+          -o faulthandler_timeout="$STUCK_S" \
           -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
       fi
       tail -qn1 "$out"/part*.log; grep -h "^FAILED\|^ERROR" "$out"/part*.log
