@@ -36,7 +36,9 @@ the cliffs above.
 
 Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's dtype, its bias
 the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
-kernels (:mod:`cudnorm._ada_rms`).
+kernels (:mod:`cudnorm._ada_rms`). A fused diffusers block's weightless RMSNorm and modulation
+(op ``"modulated_rms_norm"``) weighs the same kernels against the block's own formula in the
+input's dtype, which the plain patch runs.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Signature(NamedTuple):
     decision (a model's calls vary their rows with batch and sequence; measuring each count
     would time every new shape)."""
 
-    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm"
+    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm" | "modulated_rms_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
     weight: torch.dtype | None  # None: no weight (the per-sample ops: the scale's)
@@ -105,9 +107,10 @@ class Candidate:
 
 
 # the ops with a per-sample [B, N] weight and bias, which only these candidates serve
-MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm")
+MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm", "modulated_rms_norm")
 AFFINE_MODULATED = "modulated_layer_norm"
 ADA_LAYER_NORM = "ada_layer_norm"
+MODULATED_RMS = "modulated_rms_norm"
 # the per-sample LayerNorms: PyTorch's formula against cudnorm's adaptive LayerNorm
 _LAYER_NORM_MODULATED = (AFFINE_MODULATED, ADA_LAYER_NORM)
 
@@ -123,6 +126,8 @@ def _torch_supports(sig: Signature) -> bool:
 def _torch_prepare(sig: Signature, x, weight, bias, eps):
     if sig.op in _LAYER_NORM_MODULATED:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_formula)
+    if sig.op == MODULATED_RMS:
+        return _modulated_prepare(sig, x, weight, bias, eps, _modulated_rms_formula)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_torch_run)
     n = [sig.cols]
@@ -183,6 +188,17 @@ def _modulated_fold(x3, w, b, scale, shift, eps):
     """The same on the native path: the fold's node, then one adaptive LayerNorm node."""
     gain, shift = _entry.affine_fold(scale[:, None], shift[:, None], w, b, True, x3)
     return _entry.ada_layer_norm(x3, gain, shift, eps, False)
+
+
+def _modulated_rms_formula(x3, w, b, scale, shift, eps):
+    """A diffusers block's weightless RMSNorm, then its modulation, in ``x3``'s dtype (what the
+    plain patch leaves of LTX-Video's blocks)."""
+    return torch.nn.functional.rms_norm(x3, (x3.shape[-1],), None, eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _modulated_rms_kernel(x3, w, b, scale, shift, eps):
+    """The same as one fused op: cudnorm's adaptive RMSNorm kernels."""
+    return _ada_rms.kernel(x3, scale, shift, eps, True)
 
 
 def _ada_cudnn(x3, w, b, scale, shift, eps):
@@ -252,6 +268,8 @@ def _kernel_supports(sig: Signature) -> bool:
 
 
 def _kernel_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op == MODULATED_RMS:
+        return _modulated_prepare(sig, x, weight, bias, eps, _modulated_rms_kernel)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_kernel_run)
     rms = sig.op == "rms_norm"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _candidates, _decisions
 from ._diffusers_forwards import _modulated_layer_norm
 from .ada_layer_norm import ada_layer_norm
 from .ada_rms_norm import ada_rms_norm
@@ -78,10 +79,24 @@ def fusable_rms(*norms) -> bool:
 
 def rms_modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift`` for a weightless RMSNorm: one :func:`cudnorm.ada_rms_norm`
-    where ``scale``/``shift`` are per sample (``[B, 1, D]``, x's dtype), else the formula (a
-    modulation per token, LTX-Video's conditioning frames)."""
+    where ``scale``/``shift`` are per sample (``[B, 1, D]``, x's dtype) and the fused op serves
+    (:func:`_fused_rms_serves`), else the formula (the block's own: also a modulation per
+    token, LTX-Video's conditioning frames)."""
     b, d = x.shape[0], x.shape[-1]
     if (x.dim() == 3 and scale.dtype is x.dtype and shift.dtype is x.dtype and scale.shape[0] == b
-            and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape):
+            and scale.shape[-1] == d and scale.numel() == b * d and shift.shape == scale.shape
+            and _fused_rms_serves(x, scale, shift)):
         return ada_rms_norm(x, scale, shift, norm.eps, one_plus_scale=True)
     return norm(x) * (1 + scale) + shift
+
+
+def _fused_rms_serves(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """Whether the fused adaptive RMSNorm serves a per-sample call rather than the block's own
+    formula: the measured decision of op ``"modulated_rms_norm"`` (cudnorm's kernels against the
+    formula in x's dtype, both through autograd) for an eager CUDA call under ``policy="auto"``;
+    the fused op elsewhere (:func:`cudnorm._decisions.serves` answers ``"cudnn"`` there). The fused
+    op's own decision weighs its kernels against its fp32 formula only: with it LTX-Video's
+    training step ran 6-11% slower than under the plain patch (docs/patching.md)."""
+    training = torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad)
+    return x.numel() == 0 or _decisions.serves(_candidates.MODULATED_RMS, x, x.shape[-1], scale, shift,
+                                               training) != "torch"

@@ -251,3 +251,25 @@ def test_gpu_kernel_backward_is_deterministic():
     dy = torch.randn_like(x).view(-1, 1152)
     first, second = (_ada_rms.backward(dy, x.view(-1, 1152), scale, rstd, True, BF16) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [256, 4096])
+def test_gpu_fused_block_rms_norm_is_served_by_measurement(tokens, tmp_path):
+    """A fused diffusers block's weightless RMSNorm and modulation (LTX-Video's,
+    ``_diffusers_block_ops.rms_modulated``) takes the measured decision of op
+    ``modulated_rms_norm``: the block's formula in bf16 or cudnorm's kernels, both timed; either
+    meets the 2x rule against fp64."""
+    from cudnorm import _diffusers_block_ops as block_ops
+
+    x, scale, shift = _inputs((2, tokens, 2048), BF16, BF16, True, True, device="cuda")
+    scale, shift = scale[:, None], shift[:, None]  # the block's [B, 1, D] chunks
+    norm = torch.nn.RMSNorm(2048, eps=EPS, elementwise_affine=False)
+    with cudnorm.config(policy="auto", plan_store=True, plan_store_dir=str(tmp_path / "store")):
+        cudnorm.clear_cache()
+        rows = _report(lambda x, sc, sh: block_ops.rms_modulated(norm, x, sc, sh), x, scale, shift, True)
+        decided = [r for r in cudnorm.serving_decisions() if r["signature"].startswith("modulated_rms_norm/train")]
+        cudnorm.clear_cache()
+    assert len(decided) == 1 and decided[0]["source"] == "measured", decided
+    assert set(decided[0]["ms"]) == {"torch", "kernel"}, decided[0]
+    assert all(r["ok"] for r in rows), (decided[0]["serves"], rows)

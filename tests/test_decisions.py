@@ -162,6 +162,24 @@ def test_ada_layer_norm_takes_the_formula_where_it_is_decided(monkeypatch):
     assert asked == []
 
 
+def test_modulated_rms_norm_candidates():
+    """A fused block's weightless RMSNorm and modulation: the block's own formula in the input's
+    dtype (what the plain patch runs) against cudnorm's adaptive RMSNorm kernels where they serve;
+    no cuDNN graph. The formula's closure runs a training call through autograd."""
+    from cudnorm import _ada_rms
+
+    sig = Signature(_candidates.MODULATED_RMS, True, BF16, BF16, BF16, 64, 8)
+    kernel = ["kernel"] if _ada_rms.supports(64, BF16, BF16, BF16) else []
+    assert _candidates.candidates_for(sig) == ["torch"] + kernel
+    x, scale, shift = torch.randn(2 * 8, 64, dtype=BF16), torch.randn(2, 64, dtype=BF16), torch.randn(2, 64, dtype=BF16)
+    grads = _candidates.CANDIDATES["torch"].prepare(sig, x, scale, shift, 1e-6)()
+    assert [tuple(g.shape) for g in grads] == [(2, 8, 64), (2, 64), (2, 64)]
+    y = _candidates.CANDIDATES["torch"].prepare(sig._replace(training=False), x, scale, shift, 1e-6)()
+    x3 = x.view(2, 8, 64)
+    want = torch.nn.functional.rms_norm(x3, (64,), None, 1e-6) * (1 + scale[:, None]) + shift[:, None]
+    assert y.dtype is BF16 and torch.equal(y, want), "the formula in the input's dtype, as the block writes it"
+
+
 def test_candidates_follow_dtypes_and_determinism():
     assert _candidates.candidates_for(_sig(), deterministic=True) == [
         n for n in ("torch", "kernel") if _candidates.CANDIDATES[n].supports(_sig())]

@@ -196,6 +196,41 @@ def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     assert ref.rel_error(got, want) <= F32_TOL and ref.rel_error(got_grad, want_grad) <= F32_TOL
 
 
+@pytest.mark.parametrize("decided", ["torch", "kernel"])
+def test_ltx_blocks_take_the_fused_rms_norm_where_it_is_decided(decided, monkeypatch):
+    """LTX-Video's fused block asks the measured decision of op ``modulated_rms_norm`` for each
+    per-sample modulated RMSNorm: ``torch`` runs the block's own formula (the plain patch's
+    work), anything else the fused :func:`cudnorm.ada_rms_norm`; both compute the unpatched
+    model's output (fp32, CPU, ``diffusers-all``'s toy model)."""
+    from cudnorm import _candidates, _decisions
+    from cudnorm._bench.real_models import diffusers_all, diffusers_inputs
+
+    cls = diffusers_all._by_name()["LTXVideoTransformer3DModel"]
+    config = diffusers_all.shrink(cls, toy=True)
+    torch.manual_seed(0)
+    base = diffusers_inputs.build(cls, config).float().eval()
+    model = copy.deepcopy(base)
+    cudnorm.patch(model, blocks=True)
+    asked, fused, serves = [], [], _decisions.serves
+
+    def decision(op, *args):  # the other ops' calls keep their own answer
+        if op != _candidates.MODULATED_RMS:
+            return serves(op, *args)
+        asked.append(op)
+        return decided
+    monkeypatch.setattr(_decisions, "serves", decision)
+    monkeypatch.setattr(block_ops, "ada_rms_norm", lambda *a, **k: fused.append(1) or cudnorm.ada_rms_norm(*a, **k))
+    outputs = []
+    for m in (base, model):
+        kwargs = diffusers_all.make_inputs(cls, config, 1, "cpu", torch.float32, torch.Generator().manual_seed(0),
+                                           toy=True)
+        with torch.no_grad():
+            outputs.append(diffusers_all.output(m(**kwargs)))
+    assert asked, "the fused block asked no decision"
+    assert len(fused) == (0 if decided == "torch" else len(asked)), (decided, len(fused), len(asked))
+    assert ref.rel_error(outputs[1], outputs[0]) <= F32_TOL
+
+
 def test_blocks_sharing_fluxs_forward_have_its_body():
     """The classes run by Flux's fused forward (``FLUX_BODIES``) have, source for source, the
     forward of ``FluxTransformerBlock``: a diffusers release that changes one fails here."""
