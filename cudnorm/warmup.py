@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import _ada_strategies, _cache, _decisions, _dispatch, _recording, _runtime, _settings, _warn
+from . import _ada_strategies, _cache, _candidates, _decisions, _dispatch, _recording, _runtime, _settings, _warn
 from ._progress import progress as _progress
 from ._spec import NormSpec, dtype_from_name
 
@@ -259,8 +259,9 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
         One dict per spec: ``spec`` (slug), ``source`` (``built``, ``store``: loaded from
         the plan store, ``cached``: already in memory, ``declined``: cuDNN has no engine,
         ``skipped``: cuDNN unavailable here), ``plan`` (plan name), ``seconds`` and ``serves``:
-        for a LayerNorm/RMSNorm forward, the kernel its measured decision picked (``cudnn``,
-        ``torch`` or ``kernel``; :mod:`cudnorm._decisions`), stored in the plan store for the job.
+        for a LayerNorm/RMSNorm/adaptive LayerNorm forward, the kernel its measured decision
+        picked (``cudnn``, ``torch`` or ``kernel``; :mod:`cudnorm._decisions`), stored in the
+        plan store for the job.
     """
     specs = resolve(source, batch=batch, seq=seq, dtype=dtype, device=device)
     status = _runtime.cudnn_status()
@@ -285,19 +286,37 @@ def warmup(source, *, batch: int = 1, seq: int | None = None, dtype: torch.dtype
 
 
 def _decide(spec: NormSpec, specs: list[NormSpec]) -> str:
-    """The measured decision (:mod:`cudnorm._decisions`) of a LayerNorm/RMSNorm forward spec's call
-    signature, made now on a random input of its shape (``""`` for other specs, or where the
-    configuration measures nothing). The weights are taken to be of the backward spec's dtype
-    (the parameters' own), else the forward's; LayerNorm's bias like its weight."""
-    if spec.op not in ("layer_norm", "rms_norm") or spec.phase == "bwd" or spec.residual or spec.offset:
-        return ""
+    """The measured decision (:mod:`cudnorm._decisions`) of a forward spec's call signature, made
+    now on a random input of its shape (``""`` for the specs that have none, or where the
+    configuration measures nothing): :func:`_decision_call`'s call."""
     if _settings.current.policy != "auto" or _settings.current.disable_cudnn:
         return ""
+    call = _decision_call(spec, specs, torch.device("cuda", spec.device_index))
+    return "" if call is None else _decisions.server(*call)
+
+
+def _decision_call(spec: NormSpec, specs: list[NormSpec], device: torch.device) -> tuple | None:
+    """``(op, x, cols, weight, bias, training)`` of the call a forward spec stands for, on
+    ``device``, or None where no decision serves it (backward specs, a fused residual add, an
+    offset; an adaptive LayerNorm with a modulation of another dtype than x's). LayerNorm's and
+    RMSNorm's weights are taken to be of the backward spec's dtype (the parameters' own), else
+    the forward's, LayerNorm's bias like its weight; an adaptive LayerNorm's scale and shift
+    ``[batch, cols]`` of x's dtype."""
+    if spec.phase == "bwd" or spec.residual or spec.offset:
+        return None
+    training = spec.phase == "train"
+    if spec.op == "ada_layer_norm":
+        if spec.scale_dtype != spec.x_dtype or spec.batch < 1:
+            return None
+        x = torch.randn((spec.batch, spec.rows // spec.batch, spec.cols), dtype=spec.x_dtype, device=device)
+        scale = torch.zeros((spec.batch, spec.cols), dtype=spec.x_dtype, device=device)
+        return _candidates.ADA_LAYER_NORM, x, spec.cols, scale, torch.zeros_like(scale), training
+    if spec.op not in ("layer_norm", "rms_norm"):
+        return None
     backward = [s for s in specs if s.phase == "bwd" and (s.op, s.rows, s.cols, s.x_dtype) ==
                 (spec.op, spec.rows, spec.cols, spec.x_dtype)]
     weight_dtype = backward[0].scale_dtype if backward else spec.scale_dtype
-    device = torch.device("cuda", spec.device_index)
     x = torch.randn((spec.rows, spec.cols), dtype=spec.x_dtype, device=device)
     weight = torch.ones(spec.cols, dtype=weight_dtype, device=device)
     bias = torch.zeros_like(weight) if spec.op == "layer_norm" else None
-    return _decisions.server(spec.op, x, spec.cols, weight, bias, spec.phase == "train")
+    return spec.op, x, spec.cols, weight, bias, training

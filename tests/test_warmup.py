@@ -165,6 +165,30 @@ def test_dit_preset(fused_kernel):
         ("ada_layer_norm", "infer", 2 * 333), ("ada_layer_norm", "bwd", 2 * 4096), ("ada_layer_norm", "bwd", 2 * 333)}
 
 
+def test_warmup_measures_the_decision_of_every_forward_spec():
+    """The call ``cudnorm warmup`` measures a decision on for each spec (on the CPU here): a
+    LayerNorm/RMSNorm forward's ``[rows, cols]`` with weights of the backward's dtype, an
+    adaptive LayerNorm's ``[B, S, D]`` with ``[B, D]`` scale and shift of x's dtype (op
+    ``ada_layer_norm``); backward specs and a modulation of another dtype have none."""
+    from cudnorm import _candidates
+
+    cpu = torch.device("cpu")
+    ada = NormSpec("ada_layer_norm", "train", 4 * 256, 1152, torch.bfloat16, torch.bfloat16, 0, batch=4)
+    op, x, cols, scale, shift, training = warmup_mod._decision_call(ada, [ada], cpu)
+    assert (op, tuple(x.shape), cols, tuple(scale.shape), tuple(shift.shape), training) == (
+        _candidates.ADA_LAYER_NORM, (4, 256, 1152), 1152, (4, 1152), (4, 1152), True)
+    assert scale.dtype is shift.dtype is x.dtype is torch.bfloat16
+    assert warmup_mod._decision_call(ada._replace(scale_dtype=torch.float32), [], cpu) is None
+    assert warmup_mod._decision_call(ada._replace(phase="bwd"), [], cpu) is None
+    forward = NormSpec("layer_norm", "infer", 64, 4096, torch.bfloat16, torch.bfloat16, 0)
+    backward = NormSpec("layer_norm", "bwd", 64, 4096, torch.bfloat16, torch.float32, 0)
+    op, x, cols, weight, bias, training = warmup_mod._decision_call(forward, [forward, backward], cpu)
+    assert (op, tuple(x.shape), weight.dtype, bias.dtype, training) == (
+        "layer_norm", (64, 4096), torch.float32, torch.float32, False)
+    rms = NormSpec("rms_norm", "train", 64, 4096, torch.bfloat16, torch.bfloat16, 0)
+    assert warmup_mod._decision_call(rms, [rms], cpu)[4] is None
+
+
 @pytest.mark.parametrize("name", sorted(warmup_mod.PRESETS))
 def test_every_preset_builds_valid_specs(fused_kernel, name):
     specs = warmup_mod.preset_specs(name, batch=3)
