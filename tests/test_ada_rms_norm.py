@@ -158,13 +158,16 @@ def test_dispatcher_candidates_are_torch_and_kernel(training, shift, monkeypatch
 def test_candidate_closures_compute_the_call_on_cpu():
     """The torch candidate's closures run (the kernel's need Triton: interpreted below)."""
     _check_closures("torch")
+    _check_closures("torch", _candidates.MODULATED_RMS)
 
 
-def _check_closures(name):
-    """The candidate's closures compute the call's forward and its gradients (``dy = x``)."""
+def _check_closures(name, op="ada_rms_norm"):
+    """The candidate's closures compute the call's forward and its gradients (``dy = x``); op
+    ``modulated_rms_norm`` is a fused block's (fp32 here, where its formula rounds as the fused
+    op's does)."""
     x = torch.randn(3 * 8, 40)
     scale, shift = torch.randn(3, 40), torch.randn(3, 40)
-    sig = _candidates.signature("ada_rms_norm", True, x, scale, shift, 40)
+    sig = _candidates.signature(op, True, x, scale, shift, 40)
     x3 = x.view(3, 8, 40)
     want = ref.grads(lambda x, sc, sh: _reference(x, sc, sh, True), (x3, scale, shift), x3)
     grads = _candidates.CANDIDATES[name].prepare(sig, x, scale, shift, EPS)()
@@ -207,6 +210,7 @@ def _check_interpreted():
             rows = _report(lambda x, sc, sh: _ada_rms.kernel(x, sc, sh, EPS, dit), x, scale, shift, dit)
         assert all(r["ok"] for r in rows), (case, rows)
     _check_closures("kernel")
+    _check_closures("kernel", _candidates.MODULATED_RMS)
     print("interpreted cases ok")
 
 
