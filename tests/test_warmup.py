@@ -173,13 +173,13 @@ def test_warmup_measures_the_decision_of_every_forward_spec():
     from cudnorm import _candidates
 
     cpu = torch.device("cpu")
-    ada = NormSpec("ada_layer_norm", "train", 4 * 256, 1152, torch.bfloat16, torch.bfloat16, 0, batch=4)
-    op, x, cols, scale, shift, training = warmup_mod._decision_call(ada, [ada], cpu)
+    ada_spec = NormSpec("ada_layer_norm", "train", 4 * 256, 1152, torch.bfloat16, torch.bfloat16, 0, batch=4)
+    op, x, cols, scale, shift, training = warmup_mod._decision_call(ada_spec, [ada_spec], cpu)
     assert (op, tuple(x.shape), cols, tuple(scale.shape), tuple(shift.shape), training) == (
         _candidates.ADA_LAYER_NORM, (4, 256, 1152), 1152, (4, 1152), (4, 1152), True)
     assert scale.dtype is shift.dtype is x.dtype is torch.bfloat16
-    assert warmup_mod._decision_call(ada._replace(scale_dtype=torch.float32), [], cpu) is None
-    assert warmup_mod._decision_call(ada._replace(phase="bwd"), [], cpu) is None
+    assert warmup_mod._decision_call(ada_spec._replace(scale_dtype=torch.float32), [], cpu) is None
+    assert warmup_mod._decision_call(ada_spec._replace(phase="bwd"), [], cpu) is None
     forward = NormSpec("layer_norm", "infer", 64, 4096, torch.bfloat16, torch.bfloat16, 0)
     backward = NormSpec("layer_norm", "bwd", 64, 4096, torch.bfloat16, torch.float32, 0)
     op, x, cols, weight, bias, training = warmup_mod._decision_call(forward, [forward, backward], cpu)
