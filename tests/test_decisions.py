@@ -180,6 +180,16 @@ def test_modulated_rms_norm_candidates():
     assert y.dtype is BF16 and torch.equal(y, want), "the formula in the input's dtype, as the block writes it"
 
 
+def test_an_empty_call_is_not_measured(monkeypatch):
+    """An empty input has nothing to time: its call takes the baseline (PyTorch's op where it
+    serves the signature, else cudnorm's path), and nothing is measured or kept."""
+    monkeypatch.setattr(_decisions, "decide", lambda *a, **k: pytest.fail("measured an empty call"))
+    x = torch.empty(0, 64, dtype=BF16)
+    assert _decisions.server_kept("layer_norm", x, 64, torch.ones(64, dtype=BF16), None, True) == ("torch", False)
+    fp32 = torch.ones(64)  # PyTorch's fused RMSNorm takes one dtype: no torch candidate
+    assert _decisions.server_kept("rms_norm", x, 64, fp32, None, True) == ("cudnn", False)
+
+
 def test_candidates_follow_dtypes_and_determinism():
     assert _candidates.candidates_for(_sig(), deterministic=True) == [
         n for n in ("torch", "kernel") if _candidates.CANDIDATES[n].supports(_sig())]
