@@ -14,6 +14,7 @@ from ._settings import Config, config, get_config
 from ._version import __version__
 from .ada_layer_norm import ada_layer_norm
 from .ada_rms_norm import ada_rms_norm
+from .gated_ada_layer_norm import gated_ada_layer_norm
 from .layer_norm import layer_norm
 from .modules import (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero, AdaRMSNorm, FusedAddLayerNorm,
                       FusedAddRMSNorm, LayerNorm, RMSNorm)
@@ -43,6 +44,7 @@ __all__ = [
     "clear_cache",
     "clear_plan_store",
     "config",
+    "gated_ada_layer_norm",
     "get_config",
     "info",
     "layer_norm",

@@ -22,6 +22,7 @@ native path C++ launches the compiled kernel itself (:func:`native_launch`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -100,6 +101,67 @@ def _kernel():
     return ada_layer_norm_backward
 
 
+@functools.cache
+def _gated_kernel():
+    """The jitted backward of the gated residual into an adaptive LayerNorm (:mod:`cudnorm._gated`),
+    ``None`` without Triton. Per row of ``h = residual + gate * branch`` (packed rows) it computes
+    the norm's dh as :func:`_kernel` does, adds ``dh`` (``HAS_DH``), and writes that sum as the
+    residual's gradient and times the gate as the branch's; per sample it sums ``dy * xhat``,
+    ``dy`` and ``branch * total`` into three partial rows (dscale, dshift, dgate)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["seq", "chunks", "batch"])
+    def gated_ada_layer_norm_backward(h_ptr, dy_ptr, dh_ptr, branch_ptr, gate_ptr, scale_ptr, stats_ptr,
+                                      dres_ptr, dbranch_ptr, partial_ptr,
+                                      seq, cols, gate_row_stride, scale_row_stride, stats_row_stride, chunks, batch,
+                                      ONE_PLUS_SCALE: tl.constexpr, HAS_DH: tl.constexpr, BLOCK: tl.constexpr,
+                                      ROWS: tl.constexpr):
+        sample, chunk = tl.program_id(0) // chunks, tl.program_id(0) % chunks
+        offsets = tl.arange(0, BLOCK)
+        in_row = offsets < cols
+        first_row = sample.to(tl.int64) * seq + chunk * ROWS  # this program's rows: ROWS of one sample
+        gate = tl.load(gate_ptr + sample.to(tl.int64) * gate_row_stride + offsets, mask=in_row,
+                       other=0.0).to(tl.float32)
+        gain = tl.load(scale_ptr + sample.to(tl.int64) * scale_row_stride + offsets, mask=in_row,
+                       other=0.0).to(tl.float32)
+        if ONE_PLUS_SCALE:
+            gain += 1.0
+        sum_branch_total = tl.zeros((BLOCK,), dtype=tl.float32)  # dgate
+        sum_dy_xhat = tl.zeros((BLOCK,), dtype=tl.float32)  # dscale
+        sum_dy = tl.zeros((BLOCK,), dtype=tl.float32)  # dshift
+        for i in range(0, ROWS):
+            live = chunk * ROWS + i < seq
+            row = first_row + i
+            mask = in_row & live
+            at = row * cols + offsets
+            h = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(stats_ptr + row, mask=live, other=0.0)
+            rstd = tl.load(stats_ptr + stats_row_stride + row, mask=live, other=0.0)
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            g = dy * gain
+            total = (g - tl.sum(g, axis=0) / cols - xhat * (tl.sum(g * xhat, axis=0) / cols)) * rstd
+            if HAS_DH:
+                total += tl.load(dh_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            branch = tl.load(branch_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dres_ptr + at, total.to(dres_ptr.dtype.element_ty), mask=mask)
+            tl.store(dbranch_ptr + at, (total * gate).to(dbranch_ptr.dtype.element_ty), mask=mask)
+            sum_dy_xhat += dy * xhat
+            sum_dy += dy
+            sum_branch_total += tl.where(mask, branch * total, 0.0)
+        out = (sample.to(tl.int64) * chunks + chunk) * cols + offsets
+        plane = batch * chunks * cols
+        tl.store(partial_ptr + out, sum_dy_xhat, mask=in_row)
+        tl.store(partial_ptr + plane + out, sum_dy, mask=in_row)
+        tl.store(partial_ptr + 2 * plane + out, sum_branch_total, mask=in_row)
+
+    return gated_ada_layer_norm_backward
+
+
 def available(x2: torch.Tensor, scale_dtype: torch.dtype) -> bool:
     """Whether the kernel serves ``x2: [B*S, D]`` (unit column stride) with a ``[B, D]`` scale
     of ``scale_dtype``: CUDA tensors of fp16/bf16/fp32, ``D <= MAX_COLS``, Triton importable.
@@ -126,6 +188,13 @@ def launch_shape(batch: int, seq: int, cols: int, sm_count: int) -> tuple[int, i
     return rows_per_program, -(-seq // rows_per_program), block, warps
 
 
+def _launch_of(x2: torch.Tensor, batch: int) -> tuple[int, int, int, int, int]:
+    """``(seq, rows_per_program, chunks, BLOCK, num_warps)`` of a launch over ``x2: [B*S, D]``."""
+    rows, cols = x2.shape
+    sm_count = _sm_count(x2.device.index) if x2.is_cuda else 1  # 1: Triton's interpreter, on a CPU
+    return (rows // batch, *launch_shape(batch, rows // batch, cols, sm_count))
+
+
 def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tensor, stats: torch.Tensor,
              one_plus_scale: bool, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [B*S, D] x's dtype, sums [2, B, D] fp32)``: ``sums[0]`` is dscale, ``sums[1]`` dshift.
@@ -136,10 +205,8 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
     with ``rms`` (adaptive RMSNorm: ``xhat = x * rstd``, no mean) the contiguous rstd ``[B*S]``.
     """
     rows, cols = x2.shape
-    seq = rows // batch
     device = x2.device
-    sm_count = _sm_count(device.index) if x2.is_cuda else 1  # 1: Triton's interpreter, on a CPU
-    rows_per_program, chunks, block, warps = launch_shape(batch, seq, cols, sm_count)
+    seq, rows_per_program, chunks, block, warps = _launch_of(x2, batch)
     dx = torch.empty((rows, cols), dtype=x2.dtype, device=device)
     partial = torch.empty((2, batch, chunks, cols), dtype=_F32, device=device)
     args = (x2, dy2, scale, stats, dx, partial, seq, cols, x2.stride(0), scale.stride(0),
@@ -153,6 +220,30 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
     else:
         _kernel()[grid](*args, **meta)
     return dx, partial[:, :, 0] if chunks == 1 else partial.sum(2)
+
+
+def gated_backward(dy2: torch.Tensor, h2: torch.Tensor, batch: int, scale: torch.Tensor, stats: torch.Tensor,
+                   one_plus_scale: bool, dh2: torch.Tensor | None, branch2: torch.Tensor, gate: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated residual's backward (:func:`_gated_kernel`): ``(dresidual, dbranch)``, ``[B*S, D]``
+    in h's dtype, and ``sums [3, B, D]`` fp32 (dscale, dshift, dgate).
+
+    ``dy2``, ``h2``, ``dh2`` (or None: no gradient reached ``h``) and ``branch2``: packed
+    ``[B*S, D]``; ``scale``/``gate``: ``[B, D]`` with unit column stride; ``stats``: the adaptive
+    LayerNorm forward's fp32 ``[2, >= B*S]`` (mean, rstd)."""
+    rows, cols = h2.shape
+    device = h2.device
+    seq, rows_per_program, chunks, block, warps = _launch_of(h2, batch)
+    dres = torch.empty((rows, cols), dtype=h2.dtype, device=device)
+    dbranch = torch.empty_like(dres)
+    partial = torch.empty((3, batch, chunks, cols), dtype=_F32, device=device)
+    args = (h2, dy2, h2 if dh2 is None else dh2, branch2, gate, scale, stats, dres, dbranch, partial,
+            seq, cols, gate.stride(0), scale.stride(0), stats.stride(0), chunks, batch)
+    meta = {"ONE_PLUS_SCALE": one_plus_scale, "HAS_DH": dh2 is not None, "BLOCK": block, "ROWS": rows_per_program,
+            "num_warps": warps}
+    with torch.cuda.device(device) if h2.is_cuda else contextlib.nullcontext():  # Triton's current-device stream
+        _gated_kernel()[(batch * chunks,)](*args, **meta)
+    return dres, dbranch, partial[:, :, 0] if chunks == 1 else partial.sum(2)
 
 
 # the compiled kernel's parameters C++ fills (csrc/ada.cpp, fused_backward): six pointers

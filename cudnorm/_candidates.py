@@ -38,7 +38,9 @@ Adaptive RMSNorm (op ``"ada_rms_norm"``: the signature's weight is the scale's d
 the shift's) has no cuDNN candidate: ``torch`` is its fp32 formula, ``kernel`` cudnorm's
 kernels (:mod:`cudnorm._ada_rms`). A fused diffusers block's weightless RMSNorm and modulation
 (op ``"modulated_rms_norm"``) weighs the same kernels against the block's own formula in the
-input's dtype, which the plain patch runs.
+input's dtype, which the plain patch runs. A gated residual into an adaptive LayerNorm (op
+``"gated_ada_layer_norm"``, :mod:`cudnorm._gated`) has the formula in PyTorch's ops and, as
+``kernel``, cudnorm's fused op.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ada_rms, _entry, _norm_kernel
+from . import _ada_kernel, _ada_rms, _entry, _gated, _norm_kernel
 
 _F32 = torch.float32
 _LN_FORWARD = torch.ops.aten.native_layer_norm.default
@@ -68,7 +70,8 @@ class Signature(NamedTuple):
     decision (a model's calls vary their rows with batch and sequence; measuring each count
     would time every new shape)."""
 
-    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm" | "modulated_rms_norm"
+    op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm" |
+    # "modulated_rms_norm" | "gated_ada_layer_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
     weight: torch.dtype | None  # None: no weight (the per-sample ops: the scale's)
@@ -107,10 +110,11 @@ class Candidate:
 
 
 # the ops with a per-sample [B, N] weight and bias, which only these candidates serve
-MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm", "modulated_rms_norm")
+MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm", "modulated_rms_norm", "gated_ada_layer_norm")
 AFFINE_MODULATED = "modulated_layer_norm"
 ADA_LAYER_NORM = "ada_layer_norm"
 MODULATED_RMS = "modulated_rms_norm"
+GATED = "gated_ada_layer_norm"
 # the per-sample LayerNorms: PyTorch's formula against cudnorm's adaptive LayerNorm
 _LAYER_NORM_MODULATED = (AFFINE_MODULATED, ADA_LAYER_NORM)
 
@@ -128,6 +132,8 @@ def _torch_prepare(sig: Signature, x, weight, bias, eps):
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_formula)
     if sig.op == MODULATED_RMS:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_rms_formula)
+    if sig.op == GATED:
+        return _gated_prepare(sig, x, weight, bias, eps, _gated.formula)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, _ada_rms_torch_run)
     n = [sig.cols]
@@ -201,6 +207,22 @@ def _modulated_rms_kernel(x3, w, b, scale, shift, eps):
     return _ada_rms.kernel(x3, scale, shift, eps, True)
 
 
+def _gated_prepare(sig: Signature, x, scale, shift, eps, fn):
+    """A closure running ``fn`` (:mod:`cudnorm._gated`'s formula or fused op) on the call's
+    ``[B, S, N]`` stream, the stream itself standing for the branch and the scale for the gate
+    (their values do not change the work); a training call's backward through autograd, with
+    gradients arriving at both outputs (``y`` and the stream ``h``)."""
+    x3 = x.view(scale.shape[0], -1, sig.cols)
+    leaves = [t.detach().clone().requires_grad_(sig.training) for t in (x3, x3, scale, scale, shift)]
+    if not sig.training:
+        return lambda: fn(*leaves, eps, True)
+
+    def run():
+        with torch.enable_grad():
+            return torch.autograd.grad(fn(*leaves, eps, True), leaves, (x3, x3))
+    return run
+
+
 def _ada_cudnn(x3, w, b, scale, shift, eps):
     """cudnorm's adaptive LayerNorm op as a served call runs it (past the decision that times it):
     cuDNN's forward graph, its autograd node and fused backward."""
@@ -262,12 +284,17 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
 def _kernel_supports(sig: Signature) -> bool:
     if sig.op in _LAYER_NORM_MODULATED:
         return False
+    if sig.op == GATED:  # the fused op's backward kernel (its forward: a multiply-add and the AdaLN op)
+        return (_norm_kernel.available() and sig.cols <= _ada_kernel.MAX_COLS
+                and sig.weight == sig.dtype and sig.bias == sig.dtype)
     if sig.op in MODULATED:
         return _ada_rms.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
     return _norm_kernel.available() and _norm_kernel.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
 
 
 def _kernel_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op == GATED:
+        return _gated_prepare(sig, x, weight, bias, eps, _gated.fused)
     if sig.op == MODULATED_RMS:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_rms_kernel)
     if sig.op in MODULATED:

@@ -2,8 +2,9 @@
 norm's call is observed, whether a block's norms can be read instead of called, and a norm with
 its per-sample modulation as one op (:func:`modulated`: a LayerNorm on
 :func:`cudnorm.ada_layer_norm`, :func:`rms_modulated`: a weightless RMSNorm on
-:func:`cudnorm.ada_rms_norm`). The forwards call these through the module (``ops.modulated``),
-so the tests can count the fused calls."""
+:func:`cudnorm.ada_rms_norm`; :func:`gated_modulated`: a gated residual add and the next
+modulated LayerNorm on :func:`cudnorm.gated_ada_layer_norm`). The forwards call these through
+the module (``ops.modulated``), so the tests can count the fused calls."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from . import _candidates, _decisions
 from ._diffusers_forwards import _modulated_layer_norm
 from .ada_layer_norm import ada_layer_norm
 from .ada_rms_norm import ada_rms_norm
+from .gated_ada_layer_norm import gated_ada_layer_norm
 from .diffusers import _norm_kind, layer_norm_class
 
 # torch's module-global hook registries (dicts mutated in place, never rebound): module calls
@@ -69,6 +71,23 @@ def modulated(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift
     if scale.dim() == 2:  # diffusers' formula indexes [B, D] chunks as [B, 1, D]
         scale, shift = scale[:, None], shift[:, None]
     return _modulated_layer_norm(x, scale, shift, norm.eps, weight, bias)
+
+
+def gated_modulated(norm: torch.nn.Module, residual: torch.Tensor, gate: torch.Tensor, branch: torch.Tensor,
+                    scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate[:, None] * branch``, then :func:`modulated` of ``h``: ``(that, h)``,
+    for a block's gated residual add followed by its next modulated norm (Flux's). The blocks'
+    own case (a LayerNorm without affine parameters, one dtype, ``[B, D]`` chunks) is one
+    :func:`cudnorm.gated_ada_layer_norm`; any other, the two steps."""
+    # the checks inline, no generators: this runs in every block of a host-bound step
+    # (tests/test_patch_blocks.py counts its Python calls)
+    dtype, shape = residual.dtype, (residual.shape[0], residual.shape[-1])
+    if (norm.weight is None and norm.bias is None and residual.dim() == 3 and branch.shape == residual.shape
+            and branch.dtype is dtype and gate.dtype is dtype and scale.dtype is dtype and shift.dtype is dtype
+            and gate.shape == shape and scale.shape == shape and shift.shape == shape):
+        return gated_ada_layer_norm(residual, branch, gate, scale, shift, norm.eps, one_plus_scale=True)
+    h = residual + gate.unsqueeze(1) * branch
+    return modulated(norm, h, scale, shift), h
 
 
 def fusable_rms(*norms) -> bool:

@@ -131,15 +131,16 @@ def _joint_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch
     else:
         c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
     attn_output, context_attn_output = self.attn(hidden_states=h, encoder_hidden_states=c, **kwargs)
-    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    gate, branch = gate_msa, attn_output  # the last gated add before norm2 fuses into it
     if self.use_dual_attention:
-        hidden_states = hidden_states + gate_msa2.unsqueeze(1) * self.attn2(hidden_states=h2, **kwargs)
-    h = ops.modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+        hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+        gate, branch = gate_msa2, self.attn2(hidden_states=h2, **kwargs)
+    h, hidden_states = ops.gated_modulated(self.norm2, hidden_states, gate, branch, scale_mlp, shift_mlp)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
     if self.context_pre_only:  # the last block: the text stream ends here
         return None, hidden_states
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
-    c = ops.modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
+    c, encoder_hidden_states = ops.gated_modulated(self.norm2_context, encoder_hidden_states, c_gate_msa,
+                                                   context_attn_output, c_scale_mlp, c_shift_mlp)
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
     return encoder_hidden_states, hidden_states
 
@@ -154,18 +155,18 @@ def _flux_streams(self, hidden_states: torch.Tensor, encoder_hidden_states: torc
                   temb_txt: torch.Tensor, attention_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The body of Flux's double-stream block (:func:`_flux_block`, :func:`_chroma_block`): each
     stream's AdaLN (``norm1``, ``norm1_context``, modules of their own), the joint attention called
-    with ``attention_kwargs``, then each stream's ``norm2`` and its modulation fused."""
+    with ``attention_kwargs``, then each stream's gated residual add, ``norm2`` and its modulation
+    fused (:func:`cudnorm._diffusers_block_ops.gated_modulated`)."""
     h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb_img)
     c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb_txt)
     outputs = self.attn(hidden_states=h, encoder_hidden_states=c, **attention_kwargs)
     attn_output, context_attn_output = outputs[0], outputs[1]  # a third: IP-Adapter's attention
-    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
-    h = ops.modulated(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    h, hidden_states = ops.gated_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp)
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
     if len(outputs) == 3:
         hidden_states = hidden_states + outputs[2]
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
-    c = ops.modulated(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
+    c, encoder_hidden_states = ops.gated_modulated(self.norm2_context, encoder_hidden_states, c_gate_msa,
+                                                   context_attn_output, c_scale_mlp, c_shift_mlp)
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

@@ -20,7 +20,7 @@ LAYERS = [
     ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_triton_launch", "_version", "_warn",
      "reference"),  # no package imports
     ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
-    ("_ada_rms", "_settings"),  # _ada_rms: adaptive RMSNorm's formula and kernels
+    ("_ada_rms", "_gated", "_settings"),  # adaptive RMSNorm's formula and kernels; the gated residual's
     ("_candidates", "_policy", "_recording", "_runtime"),  # _candidates: the kernels a call may run
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
@@ -30,6 +30,7 @@ LAYERS = [
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add
     ("ada_layer_norm", "ada_rms_norm", "layer_norm", "rms_norm"),  # public ops and their custom ops
+    ("gated_ada_layer_norm",),  # a gated residual into the adaptive LayerNorm
     ("_diffusers_forwards", "_info", "_native", "_sharding", "modules", "warmup"),  # _diffusers_forwards: the
     # arithmetic of the diffusers classes and the forwards patch runs on diffusers' other AdaLN classes
     ("diffusers",),

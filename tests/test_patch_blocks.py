@@ -34,7 +34,7 @@ BLOCK_FAMILIES = {
 def _counting(monkeypatch) -> list:
     """Count the fused modulated norms the block forwards run (LayerNorms and RMSNorms)."""
     calls = []
-    for name in ("modulated", "rms_modulated"):
+    for name in ("modulated", "rms_modulated", "gated_modulated"):
         def counted(*args, fused=getattr(block_ops, name)):
             calls.append(1)
             return fused(*args)

@@ -16,7 +16,8 @@ import cudnorm
 
 B, S, D = 2, 16, 64
 # cudnorm's public functions: a patched forward's one call into cudnorm, counted as one call
-ENTRIES = {cudnorm.ada_layer_norm.__code__, cudnorm.layer_norm.__code__, cudnorm.rms_norm.__code__}
+ENTRIES = {cudnorm.ada_layer_norm.__code__, cudnorm.layer_norm.__code__, cudnorm.rms_norm.__code__,
+           cudnorm.gated_ada_layer_norm.__code__}
 
 
 def _x():
