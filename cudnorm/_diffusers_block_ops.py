@@ -117,5 +117,4 @@ def _fused_rms_serves(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor)
     op's own decision weighs its kernels against its fp32 formula only: with it LTX-Video's
     training step ran 6-11% slower than under the plain patch (docs/patching.md)."""
     training = torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad)
-    return x.numel() == 0 or _decisions.serves(_candidates.MODULATED_RMS, x, x.shape[-1], scale, shift,
-                                               training) != "torch"
+    return _decisions.serves(_candidates.MODULATED_RMS, x, x.shape[-1], scale, shift, training) != "torch"

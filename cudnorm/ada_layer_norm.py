@@ -329,10 +329,11 @@ def python_ada_layer_norm(input, scale, shift, eps, one_plus_scale):
     sc = scale if scale.dim() == 2 else scale.reshape(b, d)
     sh = shift if shift.dim() == 2 else shift.reshape(b, d)
     training = torch.is_grad_enabled() and (input.requires_grad or scale.requires_grad or shift.requires_grad)
-    if (_ops.eager(input) and input.numel() and scale.dtype is input.dtype and shift.dtype is input.dtype
+    eager = _ops.eager(input)
+    if (eager and scale.dtype is input.dtype and shift.dtype is input.dtype
             and _decisions.serves(_candidates.ADA_LAYER_NORM, input, d, sc, sh, training) == "torch"):
         return _torch_ops(input, scale, shift, eps, one_plus_scale)  # the measured decision (policy "auto")
-    if not _ops.eager(input):
+    if not eager:
         y = ada_layer_norm_fwd(x, sc, sh, eps, one_plus_scale, training)[0]
     elif training:
         y = _AdaLayerNormFunction.apply(x, sc, sh, eps, one_plus_scale, training)
