@@ -115,6 +115,8 @@ def torch_serves(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
     for p in params:
         if p is not None and p.dtype is not input.dtype:
             return _mixed_off_cuda(input, params)
+    if _entry.pending and input.is_cuda:  # the size rule reads whether the native path serves: try it first
+        _entry.try_native(input)
     return policy == "torch" or prefers_torch(type(input) is torch.Tensor and input.is_cuda, input.numel())
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import _ada_rms, _info, _settings
+from . import _ada_rms, _gated, _info, _settings
 from . import reference as ref
 from ._progress import progress
 
@@ -44,6 +44,7 @@ def _cases(device: str):
                    lambda x, w: ref.rms_norm(x, w, 1e-6), (x, w), ("y", "dx", "dweight"))
     yield from _ada_cases(device)
     yield from _ada_rms_cases(device)
+    yield from _gated_cases(device)
 
 
 def _ada_cases(device: str, dtypes=DTYPES):
@@ -78,13 +79,43 @@ def _ada_rms_cases(device: str, dtypes=DTYPES):
                lambda x, sc, sh, dit=dit: ref.ada_rms_norm(x, sc, sh, 1e-6, dit=dit), inputs, names)
 
 
-def _ada_rms_path(inputs) -> str:
-    """What serves :func:`cudnorm.ada_rms_norm` in the check (policy "cudnn": cudnorm's kernel
-    where it can run; it has no cuDNN graph)."""
-    x, scale, shift = inputs
+def _gated_cases(device: str, dtypes=DTYPES):
+    """The gated residual into AdaLN (its modulation in the activations' dtype, as the op
+    requires), both conventions: compared through ``y + h``, so that the output and one
+    gradient per input check both of the op's outputs and the gradient each carries."""
+    import cudnorm  # noqa: PLC0415
+
+    b, s, d = 4, 250, 1152
+    for dtype in dtypes:
+        for dit in (True, False):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            residual, branch = (torch.randn((b, s, d), generator=g).to(device, dtype) for _ in range(2))
+            gate = (0.3 * torch.randn((b, d), generator=g)).to(device, dtype)
+            scale = ((0.0 if dit else 1.0) + 0.1 * torch.randn((b, d), generator=g)).to(device, dtype)
+            shift = (0.1 * torch.randn((b, d), generator=g)).to(device, dtype)
+            yield (f"gated_ada_layer_norm ({str(dtype)[6:]}, {'1+scale' if dit else 'scale'}; y + h)", dtype,
+                   lambda *t, dit=dit: sum(cudnorm.gated_ada_layer_norm(*t, 1e-6, one_plus_scale=dit)),
+                   lambda *t, dit=dit: sum(_gated.formula(*t, 1e-6, dit)),
+                   lambda *t, dit=dit: sum(ref.gated_ada_layer_norm(*t, 1e-6, dit=dit)),
+                   (residual, branch, gate, scale, shift), ("y+h", "dresidual", "dbranch", "dgate", "dscale", "dshift"))
+
+
+def _path(op: str, inputs) -> str:
+    """What serves ``op`` in the check (policy "cudnn": cuDNN where it can run, else cudnorm's
+    kernels; the per-sample RMSNorm and the gated residual have no cuDNN graph)."""
+    import cudnorm  # noqa: PLC0415
+
+    if op in _info.OPS:
+        return cudnorm.serving_path(op, inputs[0])
+    x, *rest = inputs
     if not x.is_cuda:
         return "torch (cpu tensor)"
-    return "kernel" if _ada_rms.supports(x.shape[-1], x.dtype, scale.dtype, shift.dtype) else "torch (no Triton)"
+    if op == "ada_rms_norm":
+        scale, shift = rest
+        fits = _ada_rms.supports(x.shape[-1], x.dtype, scale.dtype, shift.dtype)
+    else:  # gated_ada_layer_norm: residual, branch, gate, scale, shift
+        fits = _gated.supports(x, *rest[1:])
+    return "kernel" if fits else "torch (no Triton)"
 
 
 def check(device: str | None = None) -> list[dict]:
@@ -100,7 +131,7 @@ def check(device: str | None = None) -> list[dict]:
             dy = torch.randn(inputs[0].shape, generator=g).to(device, dtype)
             start = time.perf_counter()
             op = label.split(" ")[0]
-            path = cudnorm.serving_path(op, inputs[0]) if op in _info.OPS else _ada_rms_path(inputs)
+            path = _path(op, inputs)
             for r in ref.accuracy_report(candidate, baseline, reference, inputs, dy, names, dtype):
                 rows.append({"case": label, "path": path, **r, "seconds": time.perf_counter() - start})
     return rows

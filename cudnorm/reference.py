@@ -71,6 +71,15 @@ def ada_rms_norm_eager(x, scale, shift=None, eps=1e-6, dit=True):
     return y if shift is None else y + shift.to(x.dtype).reshape(view)
 
 
+def gated_ada_layer_norm(residual, branch, gate, scale, shift, eps=1e-6, dit=True, dtype=torch.float64):
+    """A gated residual into AdaLN: ``(y, h)`` with ``h = residual + gate * branch`` and
+    ``y = ada_layer_norm(h, scale, shift)``. ``residual``/``branch``: ``[B, S, D]``;
+    gate/scale/shift ``[B, D]`` or ``[B, 1, D]`` broadcast over the tokens."""
+    b, d = residual.shape[0], residual.shape[-1]
+    h = residual.to(dtype) + gate.to(dtype).reshape(b, 1, d) * branch.to(dtype)
+    return ada_layer_norm(h, scale, shift, eps, dit, dtype), h
+
+
 def grads(fn, inputs, grad_out, dtype=torch.float64):
     """Output and gradients of ``fn`` w.r.t. every non-None tensor of ``inputs``, in ``dtype``.
 

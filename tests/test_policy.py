@@ -40,6 +40,32 @@ def test_rules(auto, monkeypatch):
     assert _policy.prefers_torch(True, big)  # traced: Inductor fuses PyTorch's ops
 
 
+def test_size_rule_tries_the_native_path_first(auto, monkeypatch):
+    """The size rule's threshold depends on whether the native path serves, so an op that is
+    a process's first CUDA call (``cudnorm.gated_ada_layer_norm``, ``ada_rms_norm``) tries it
+    before reading the rule, as ``layer_norm`` does: its threshold is then the same whichever
+    op came first."""
+    from cudnorm import _entry
+    tried = []
+
+    def activate(x):
+        tried.append(x)
+        _entry.native, _entry.pending = True, False
+        return True
+
+    monkeypatch.setattr(_entry, "native", False)
+    monkeypatch.setattr(_entry, "pending", True)
+    monkeypatch.setattr(_entry, "try_native", activate)
+    _policy.torch_serves(torch.empty(2, 4, dtype=BF16), None)
+    assert tried == []  # a CPU tensor: nothing to try (and no call added to a CPU user's op)
+    x = torch.empty(2, 4, dtype=BF16, device="meta")
+    monkeypatch.setattr(type(x), "is_cuda", property(lambda self: True))
+    _policy.torch_serves(x, None)
+    assert tried == [x] and _entry.native
+    _policy.torch_serves(x, None)
+    assert tried == [x]  # tried once
+
+
 def test_cudnn_policy_serves_nothing_to_torch():
     cudnorm.config(policy="cudnn")
     assert not _policy.torch_serves(torch.empty(2, 4))

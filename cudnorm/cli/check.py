@@ -40,9 +40,9 @@ def run(args) -> int:
     print()
     rows = check(args.device)
     width = max(len(r["case"]) for r in rows)
-    print(f"{'case':<{width}}  {'qty':<8} {'path':<10} {'rel.err':>9} {'torch':>9} {'bound':>9}  result")
+    print(f"{'case':<{width}}  {'qty':<9} {'path':<10} {'rel.err':>9} {'torch':>9} {'bound':>9}  result")
     for r in rows:
-        print(f"{r['case']:<{width}}  {r['name']:<8} {r['path'].split(' ')[0]:<10} {r['error']:9.2e} "
+        print(f"{r['case']:<{width}}  {r['name']:<9} {r['path'].split(' ')[0]:<10} {r['error']:9.2e} "
               f"{r['torch_error']:9.2e} {r['bound']:9.2e}  {'ok' if r['ok'] else 'FAIL'}")
     failed = [r for r in rows if not r["ok"]]
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
