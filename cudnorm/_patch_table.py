@@ -82,7 +82,8 @@ CLASSES = {
     "muse_glimmer.MuseGlimmerTextCenteredRMSNorm", "qwen3_5.Qwen3_5RMSNorm", "qwen3_5_moe.Qwen3_5MoeRMSNorm",
     "qwen3_next.Qwen3NextRMSNorm", "recurrent_gemma.RecurrentGemmaRMSNorm", "step3p7.Step3p7RMSNorm",
     "t5gemma.T5GemmaRMSNorm", "t5gemma2.T5Gemma2RMSNorm", "vaultgemma.VaultGemmaRMSNorm",
-    ) + ("diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",),
+    ) + ("diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",
+         "diffusers.models.transformers.transformer_krea2.Krea2RMSNorm"),
     # (weight * x_hat) in fp32, cast to x's dtype (OLMo 2's q/k norms normalise the whole projection)
     "fp32_rms_norm": _transformers(
     "afmoe.AfmoeRMSNorm", "beam.BeamRMSNorm", "deepseek_v4.DeepseekV4RMSNorm", "flex_olmo.FlexOlmoRMSNorm",
@@ -110,6 +111,9 @@ CLASSES = {
     "cohere.CohereLayerNorm", "cohere2.Cohere2LayerNorm", "cohere2_moe.Cohere2MoeLayerNorm",
     "cohere_compass.CohereCompassLayerNorm",
     ),
+    # (gamma * x_hat) in fp32 (force_fp32) or in x's dtype, cast to x's dtype: fp32_rms_norm's
+    # arithmetic with the weight named gamma (Stable Audio 3's DiT)
+    "stable_audio3_rms_norm": ("diffusers.models.transformers.transformer_stable_audio3.StableAudio3RMSNorm",),
     # F.layer_norm of x and the parameters in fp32, cast to x's dtype
     "fp32_layer_norm": (f"{_NORMALIZATION}.FP32LayerNorm",),
     # diffusers' AdaLN classes (cudnorm.diffusers.FUSED says how each runs)
@@ -153,7 +157,8 @@ CLASSES = {
 ANCHORS = {
     "llama_rms_norm": _transformers("llama.LlamaRMSNorm"),
     "gemma_rms_norm": _transformers("gemma.GemmaRMSNorm") + (
-        "diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",),
+        "diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",
+        "diffusers.models.transformers.transformer_krea2.Krea2RMSNorm"),
     "cohere_layer_norm": _transformers("cohere.CohereLayerNorm"),
     "fp32_rms_norm": _transformers("olmo2.Olmo2RMSNorm", "helium.HeliumRMSNorm") + (
         "diffusers.pipelines.kolors.text_encoder.RMSNorm", f"{_NORMALIZATION}.MochiRMSNorm"),
@@ -202,6 +207,9 @@ LEFT = {
         "diffusers.models.transformers.transformer_helios.HeliosOutputNorm"), (
         "a modulation per token (temb [B, S, D]), which cudnorm's AdaLN (per sample) does not take; its "
         "LayerNorm (norm) is swapped")),
+    "diffusers.models.transformers.transformer_sana_video.SanaModulatedNorm": (
+        "a modulation per timestep row (temb [B, T, D]: Sana-Video's per-frame timesteps), which cudnorm's AdaLN "
+        "(per sample) does not take; its LayerNorm (norm) is swapped"),
     "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormModulation": (
         "normalises nothing: MiniMax-H3's block modulation projection (its blocks' norms are swapped)"),
     "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormOut": (

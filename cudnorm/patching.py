@@ -100,6 +100,14 @@ def _gemma_rms_norm(self, input: torch.Tensor) -> torch.Tensor:
     return rms_norm(input, weight.shape, _param_for(input, weight), _eps(self), weight_offset=1.0)
 
 
+def _stable_audio3_rms_norm(self, input: torch.Tensor) -> torch.Tensor:
+    """Stable Audio 3's RMSNorm: ``input [*, N]`` -> ``[*, N]`` in the input's dtype, ``x_hat *
+    gamma`` in fp32 rounded once, which is :func:`cudnorm.rms_norm` (the original computes it
+    in fp32 with ``force_fp32``, else in the input's dtype, rounding each step)."""
+    gamma = self.gamma
+    return rms_norm(input, gamma.shape, _param_for(input, gamma), self.eps)
+
+
 def _t5_rms_norm(self, input: torch.Tensor) -> torch.Tensor:
     """T5's RMSNorm (and diffusers' ``RMSNorm``): ``input [*, N]`` -> ``[*, N]`` in T5's dtype:
     the weight's for fp16/bf16 weights whatever the input's, otherwise the promotion of the
@@ -157,6 +165,18 @@ def _why_not_weighted(module: torch.nn.Module, *, weight_dims=(1,), weight_optio
     return None
 
 
+def _why_not_gamma(module: torch.nn.Module) -> str | None:
+    """:func:`_why_not_weighted` for a norm whose weight is named ``gamma``."""
+    gamma = getattr(module, "gamma", None)
+    if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1:
+        return f"gamma {type(gamma).__name__ if not isinstance(gamma, torch.Tensor) else tuple(gamma.shape)}, " \
+               "where its formula scales by a 1-D tensor"
+    eps = getattr(module, "eps", None)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        return f"eps {eps!r}, where its formula adds a number >= 0"
+    return None
+
+
 def _why_not_t5(module: torch.nn.Module) -> str | None:
     if getattr(module, "bias", None) is not None:  # diffusers' RMSNorm(..., bias=True): Sana's output norm
         return "a bias after the norm, which cudnorm's RMSNorm does not take"
@@ -204,6 +224,7 @@ _FORMULA_LIST = (
     Formula("fp32_rms_norm", _fp32_rms_norm, functools.partial(_why_not_weighted, weight_optional=True)),
     Formula("gemma_rms_norm", _gemma_rms_norm, _why_not_weighted, methods=("forward", "_norm")),
     Formula("t5_rms_norm", _t5_rms_norm, _why_not_t5),
+    Formula("stable_audio3_rms_norm", _stable_audio3_rms_norm, _why_not_gamma),
     Formula("cohere_layer_norm", _cohere_layer_norm, functools.partial(_why_not_weighted, weight_dims=(1, 2))),
     Formula("fp32_layer_norm", _fp32_layer_norm, _never),
     *(_fused(name, classes[0]) for name, classes in _patch_table.CLASSES.items() if classes[0] in FUSED),

@@ -155,7 +155,9 @@ FIXED = ("DreamLiteTransformer2DModel", "EasyAnimateTransformer3DModel", "HiDrea
          "LTX2VideoTransformer3DModel", "WanAnimateTransformer3DModel", "WanAnimate2Transformer3DModel",
          "JoyImageEditPlusTransformer3DModel", "AnyFlowTransformer3DModel",
          "BriaFiboTransformer2DModel", "BriaFibo2Transformer2DModel", "Cosmos3OmniTransformer",
-         "AceStepTransformer1DModel", "StableAudioDiTModel", "PriorTransformer", "T5FilmDecoder",
+         "AceStepTransformer1DModel", "StableAudioDiTModel", "StableAudio3DiTModel", "PriorTransformer", "T5FilmDecoder",
+         # their norms patched since Krea 2's and Stable Audio 3's RMSNorms took formulas
+         "Krea2Transformer2DModel",
          # the toy widths once broke a projection (caption_projection_dim is the inner width)
          "AllegroTransformer3DModel", "AuraFlowTransformer2DModel", "SD3Transformer2DModel",
          "SanaTransformer2DModel", "SanaVideoTransformer3DModel")

@@ -111,6 +111,11 @@ ANCHOR_CASES = {
     "gemma": (TF("gemma", "GemmaRMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 0.0),
     "qwen-image21-zero-center": ("diffusers.models.transformers.transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm",
                                  lambda cls: cls(64, eps=1e-5), (64,), 0.0),
+    "krea2": ("diffusers.models.transformers.transformer_krea2.Krea2RMSNorm", lambda cls: cls(64, eps=1e-5), (64,), 0.0),
+    "stable-audio3": ("diffusers.models.transformers.transformer_stable_audio3.StableAudio3RMSNorm",
+                      lambda cls: cls(64, eps=1e-5), (64,), 1.0),
+    "stable-audio3-input-dtype": ("diffusers.models.transformers.transformer_stable_audio3.StableAudio3RMSNorm",
+                                  lambda cls: cls(64, eps=1e-5, force_fp32=False), (64,), 1.0),
     "olmo2": (TF("olmo2", "Olmo2RMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 1.0),
     "helium": (TF("helium", "HeliumRMSNorm"), lambda cls: cls(64, eps=1e-5), (64,), 1.0),
     "chatglm": ("diffusers.pipelines.kolors.text_encoder.RMSNorm", lambda cls: cls(64, eps=1e-5), (64,), 1.0),
@@ -135,7 +140,7 @@ def _anchor(case: str, dtype: torch.dtype):
     theirs = make(cls)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
-            p.copy_(0.2 * torch.randn_like(p) + (centre if name == "weight" else 0.0))
+            p.copy_(0.2 * torch.randn_like(p) + (centre if name in ("weight", "gamma") else 0.0))
     exact = copy.deepcopy(theirs).double()
     return theirs.to(dtype), exact
 

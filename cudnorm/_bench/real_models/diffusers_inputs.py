@@ -99,9 +99,10 @@ def after_shrink(name: str, config: dict) -> dict:
 # ------------------------------------------------------------------------------ inputs
 
 #: classes whose latent the rules of ``diffusers_all._layout`` get wrong: video latents frames
-#: first, ``[B, F, C, H, W]``; HiDream takes img_ids but patchifies a ``[B, C, H, W]`` latent itself
+#: first, ``[B, F, C, H, W]``; HiDream takes img_ids but patchifies a ``[B, C, H, W]`` latent itself;
+#: Krea 2 takes packed latents
 LAYOUT = {"CogVideoXTransformer3DModel": "frames-first", "ConsisIDTransformer3DModel": "frames-first",
-          "HiDreamImageTransformer2DModel": "image", **diffusers_inputs_av.LAYOUT}
+          "HiDreamImageTransformer2DModel": "image", "Krea2Transformer2DModel": "packed", **diffusers_inputs_av.LAYOUT}
 
 #: the argument that is a class's latent where it is not its forward's first (see diffusers_inputs_av)
 LATENT_ARG = diffusers_inputs_av.LATENT_ARG
@@ -240,6 +241,19 @@ def _z_image(c: Inputs) -> dict:
     return {"cap_feats": c.randn(c.batch, c.text, c.config["cap_feat_dim"])}  # split per sample by _PerSample
 
 
+def _krea2(c: Inputs) -> dict:
+    cfg, b, side = c.config, c.batch, c.side
+    # packed latents [B, side * side, C]; the text encoder's hidden states tapped at num_text_layers layers
+    # [B, L, layers, D]; rotary (t, h, w) coordinates of [text; image] tokens, text rows zero, image rows
+    # the latent grid; the flow-matching time in [0, 1]
+    h, w = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    image = torch.stack([torch.zeros_like(h), h, w], -1).reshape(-1, 3)
+    ids = torch.cat([torch.zeros(c.text, 3, dtype=image.dtype), image]).to(c.device)
+    return {"hidden_states": c.randn(b, side * side, cfg["in_channels"]),
+            "encoder_hidden_states": c.randn(b, c.text, cfg["num_text_layers"], cfg["text_hidden_dim"]),
+            "timestep": c.timestep() / 999, "position_ids": ids}
+
+
 #: ``Inputs -> kwargs`` of the classes whose forward reads what the generic rules cannot make
 INPUTS: dict[str, Callable[[Inputs], dict]] = {
     "HunyuanDiT2DModel": _hunyuan_dit,
@@ -257,6 +271,7 @@ INPUTS: dict[str, Callable[[Inputs], dict]] = {
     "QwenImage21Transformer2DModel": _qwen_image21,
     "ErnieImageTransformer2DModel": _ernie_image,
     "ZImageTransformer2DModel": _z_image,
+    "Krea2Transformer2DModel": _krea2,
     **diffusers_inputs_av.INPUTS,
 }
 

@@ -190,6 +190,16 @@ def _stable_audio(c: Inputs) -> dict:
             "rotary_embedding": tuple(r.to(c.device) for r in rope)}
 
 
+def _stable_audio3(c: Inputs) -> dict:
+    cfg, b = c.config, c.batch
+    # a [B, io_channels, T] latent (T as Stable Audio Open's sample_size, 1024; 16 in the toy), prompt tokens
+    # [B, L, cond_token_dim] and the global (duration) embedding [B, global_cond_dim]; time in [0, 1]
+    frames = 16 if c.toy else 1024
+    return {"hidden_states": c.randn(b, cfg["io_channels"], frames), "timestep": c.timestep() / 999,
+            "encoder_hidden_states": c.randn(b, c.text, cfg["cond_token_dim"]),
+            "global_hidden_states": c.randn(b, cfg["global_cond_dim"])}
+
+
 class _PackedPerSample(torch.nn.Module):
     """Cosmos 3's forward packs one sample's modalities into a single sequence and takes its video as a
     list: this runs it once per sample of the batch's latent (and prompt) and stacks the predictions."""
@@ -237,6 +247,7 @@ INPUTS: dict[str, Callable[[Inputs], dict]] = {
     "Cosmos3OmniTransformer": _cosmos3_omni,
     "AceStepTransformer1DModel": _ace_step,
     "StableAudioDiTModel": _stable_audio,
+    "StableAudio3DiTModel": _stable_audio3,
     "JoyImageEditPlusTransformer3DModel": _joyimage_edit_plus,
     "AnyFlowTransformer3DModel": _anyflow,
     "AnyFlowFARTransformer3DModel": _anyflow_far,
