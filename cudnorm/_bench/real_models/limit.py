@@ -3,9 +3,10 @@ costing nothing, the ceiling of what faster norms could gain.
 
 :func:`free_norms` changes, in place:
 
-* every norm module (``nn.LayerNorm``, ``nn.RMSNorm``, diffusers' ``RMSNorm`` and
-  ``FP32LayerNorm``, transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm``) into one returning its
-  input: no statistics, no weight, no bias;
+* every norm module (``nn.LayerNorm``, ``nn.RMSNorm`` and every class the patch table registers
+  under a formula without modulation: diffusers' ``RMSNorm`` and ``FP32LayerNorm``, Llama's,
+  Gemma's, Krea 2's, Stable Audio 3's RMSNorms, ...) into one returning its input: no statistics,
+  no weight, no bias;
 * diffusers' AdaLN modules (``AdaLayerNormZero``, ``AdaLayerNormZeroSingle``,
   ``SD35AdaLayerNormZeroX``, ``AdaLayerNormContinuous``) into ones that still run the GEMM
   producing the modulation (``linear(silu(emb))``, and DiT's timestep/label embedding) and
@@ -25,14 +26,17 @@ import functools
 
 import torch
 
+from ... import _patch_table
 from ..._patch_table import qualified_name
 
 _NORMALIZATION = "diffusers.models.normalization"
-_NORMS = frozenset((
-    "torch.nn.modules.normalization.LayerNorm", "torch.nn.modules.normalization.RMSNorm",
-    f"{_NORMALIZATION}.RMSNorm", f"{_NORMALIZATION}.FP32LayerNorm",
-    "transformers.models.llama.modeling_llama.LlamaRMSNorm", "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
-))
+#: the patch table's formulas of one input and one output of its shape (no modulation): a class
+#: registered under one is a norm the limit frees, so a model whose norms the patch swaps has them
+#: free in its limit too
+PLAIN_FORMULAS = ("llama_rms_norm", "gemma_rms_norm", "fp32_rms_norm", "t5_rms_norm", "stable_audio3_rms_norm",
+                  "cohere_layer_norm", "fp32_layer_norm")
+_NORMS = frozenset(("torch.nn.modules.normalization.LayerNorm", "torch.nn.modules.normalization.RMSNorm",
+                    *(name for formula in PLAIN_FORMULAS for name in _patch_table.CLASSES[formula])))
 
 
 def _free_norm(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
