@@ -95,6 +95,27 @@ def test_a_training_call_takes_the_measured_decision(decided, monkeypatch):
     assert ref.rel_error(y, _reference(*inputs, one_plus_scale=False)[0]) < 1e-5
 
 
+@pytest.mark.slow  # torch.compile of a whole graph on the CPU
+def test_compile_fullgraph_matches_eager():
+    """Traced, the op is the formula in PyTorch's ops (Inductor fuses them), one graph with both
+    outputs and their gradients as in eager; a mistake raises the eager error naming the argument."""
+    inputs = [t.requires_grad_() for t in _inputs(2, 8, 64, F32)]
+
+    def fn(*t):
+        y, h = cudnorm.gated_ada_layer_norm(*t, EPS)
+        return y.square().sum() + (h * h.detach()).sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*inputs), inputs)
+    want = torch.autograd.grad(fn(*inputs), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    residual, branch, gate, scale, shift = (t.detach() for t in inputs)
+    bad = torch.compile(lambda *t: cudnorm.gated_ada_layer_norm(*t), backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="cudnorm.gated_ada_layer_norm: argument 'gate'"):
+        bad(residual, branch, torch.randn(3, 64), scale, shift)
+
+
 def test_candidates_and_the_formulas_closure():
     """The formula always competes; the fused op (``kernel``) where Triton imports; no cuDNN
     candidate of its own. The formula's closure returns the five inputs' gradients."""
