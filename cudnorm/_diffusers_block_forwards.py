@@ -1,6 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
-holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's and
-Wan's blocks. Each calls the
+holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's,
+Wan's and HunyuanVideo's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -343,3 +343,32 @@ def _wan_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.T
 
 def _why_not_wan(block) -> str | None:
     return ops.why_not_layer_norms((block.norm1, block.norm3))
+
+
+# ---------------------------------------------------------------- HunyuanVideoTransformerBlock (HunyuanVideo, 1.5)
+
+def _hunyuan_video_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, freqs_cis=None, *args,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` and text
+    tokens ``encoder_hidden_states [B, T, D]`` -> ``(hidden_states, encoder_hidden_states)``.
+    Flux's double-stream body: each stream's AdaLN (``norm1``, ``norm1_context``), the joint
+    attention, then each stream's gated residual add, ``norm2`` and its modulation as one op
+    (:func:`cudnorm._diffusers_block_ops.gated_modulated`)."""
+    if not ops.fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
+                                               freqs_cis, *args, **kwargs)
+    h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
+    attn_output, context_attn_output = self.attn(hidden_states=h, encoder_hidden_states=c,
+                                                 attention_mask=attention_mask, image_rotary_emb=freqs_cis)
+    h, hidden_states = ops.gated_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp)
+    c, encoder_hidden_states = ops.gated_modulated(self.norm2_context, encoder_hidden_states, c_gate_msa,
+                                                   context_attn_output, c_scale_mlp, c_shift_mlp)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(h)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(c)
+    return hidden_states, encoder_hidden_states
+
+
+def _why_not_hunyuan_video(block) -> str | None:
+    return ops.why_not_layer_norms((block.norm2, block.norm2_context))

@@ -47,8 +47,9 @@ import torch
 from . import _diffusers_block_ops as ops
 from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _auraflow_single_block,
                                         _flux2_block, _flux2_single_block, _hidream_block, _hidream_single_block,
-                                        _ltx_block, _qwen_image_block, _sana_block, _wan_block, _why_not_allegro,
-                                        _why_not_auraflow, _why_not_flux2, _why_not_hidream, _why_not_ltx,
+                                        _hunyuan_video_block, _ltx_block, _qwen_image_block, _sana_block,
+                                        _wan_block, _why_not_allegro, _why_not_auraflow, _why_not_flux2,
+                                        _why_not_hidream, _why_not_hunyuan_video, _why_not_ltx,
                                         _why_not_qwen_image, _why_not_sana, _why_not_wan)
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
@@ -228,6 +229,9 @@ FLUX_BODIES = (f"{_TRANSFORMERS}.transformer_bria_fibo.BriaFiboTransformerBlock"
 WAN_BODIES = (f"{_TRANSFORMERS}.transformer_wan.WanTransformerBlock",
               f"{_TRANSFORMERS}.transformer_chronoedit.WanTransformerBlock",
               f"{_TRANSFORMERS}.transformer_wan_animate.WanTransformerBlock")
+#: block classes whose forward is ``HunyuanVideoTransformerBlock``'s, body for body: :func:`_hunyuan_video_block`
+HUNYUAN_VIDEO_BODIES = (f"{_TRANSFORMERS}.transformer_hunyuan_video.HunyuanVideoTransformerBlock",
+                        f"{_TRANSFORMERS}.transformer_hunyuan_video15.HunyuanVideo15TransformerBlock")
 #: diffusers block class (module-qualified name) -> how it runs (``cudnorm.patch(..., blocks=True)``)
 BLOCKS = {
     f"{_ATTENTION}.BasicTransformerBlock": Block(_basic_block, _why_not_basic),
@@ -250,4 +254,5 @@ BLOCKS = {
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
     **dict.fromkeys(WAN_BODIES, Block(_wan_block, _why_not_wan)),
+    **dict.fromkeys(HUNYUAN_VIDEO_BODIES, Block(_hunyuan_video_block, _why_not_hunyuan_video)),
 }

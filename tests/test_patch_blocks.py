@@ -170,7 +170,8 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
                                   "ChromaTransformer2DModel", "LTXVideoTransformer3DModel",
                                   "AuraFlowTransformer2DModel", "AllegroTransformer3DModel",
                                   "HiDreamImageTransformer2DModel", "WanTransformer3DModel",
-                                  "ChronoEditTransformer3DModel"])
+                                  "ChronoEditTransformer3DModel", "HunyuanVideoTransformer3DModel",
+                                  "HunyuanVideo15Transformer3DModel", "HunyuanVideoFramepackTransformer3DModel"])
 def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
     CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,
@@ -232,17 +233,20 @@ def test_ltx_blocks_take_the_fused_rms_norm_where_it_is_decided(decided, monkeyp
     assert ref.rel_error(outputs[1], outputs[0]) <= F32_TOL
 
 
-def test_blocks_sharing_wans_forward_have_its_body():
-    """The classes run by Wan's fused forward (``WAN_BODIES``) have, source for source, the forward
-    of ``transformer_wan.WanTransformerBlock``."""
+@pytest.mark.parametrize("bodies, forward", [("WAN_BODIES", "_wan_block"),
+                                             ("HUNYUAN_VIDEO_BODIES", "_hunyuan_video_block")])
+def test_blocks_sharing_a_forward_have_its_body(bodies, forward):
+    """The classes one fused forward runs (Wan's ``WAN_BODIES``, HunyuanVideo's
+    ``HUNYUAN_VIDEO_BODIES``) have, source for source, one forward: a diffusers release that
+    changes one fails here."""
     import importlib
     import inspect
 
     sources = set()
-    for name in blocks_mod.WAN_BODIES:
+    for name in getattr(blocks_mod, bodies):
         module, _, cls = name.rpartition(".")
         sources.add(inspect.getsource(getattr(importlib.import_module(module), cls).forward))
-        assert blocks_mod.BLOCKS[name].forward is blocks_mod._wan_block
+        assert blocks_mod.BLOCKS[name].forward is getattr(blocks_mod, forward)
     assert len(sources) == 1
 
 
