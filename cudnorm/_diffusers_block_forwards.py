@@ -1,6 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
 holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's,
-Wan's and HunyuanVideo's blocks. Each calls the
+Wan's, HunyuanVideo's and CogView4's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -371,4 +371,34 @@ def _hunyuan_video_block(self, hidden_states: torch.Tensor, encoder_hidden_state
 
 
 def _why_not_hunyuan_video(block) -> str | None:
+    return ops.why_not_layer_norms((block.norm2, block.norm2_context))
+
+
+# ---------------------------------------------------------------- CogView4TransformerBlock (CogView4)
+
+def _cogview4_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                    temb: torch.Tensor | None = None, image_rotary_emb=None, attention_mask=None,
+                    attention_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``CogView4TransformerBlock.forward``: image tokens ``hidden_states [B, S, D]`` and text
+    tokens ``encoder_hidden_states [B, T, D]`` -> ``(hidden_states, encoder_hidden_states)``; one
+    AdaLN module (``norm1``) for both streams, the joint attention, then each stream's gated
+    residual add, ``norm2``/``norm2_context`` and its modulation as one op
+    (:func:`cudnorm._diffusers_block_ops.gated_modulated`); one feed-forward for both streams."""
+    if not ops.fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                               attention_mask, attention_kwargs)
+    (h, gate_msa, shift_mlp, scale_mlp, gate_mlp,
+     c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = self.norm1(hidden_states, encoder_hidden_states, temb)
+    attn_output, context_attn_output = self.attn1(hidden_states=h, encoder_hidden_states=c,
+                                                  image_rotary_emb=image_rotary_emb, attention_mask=attention_mask,
+                                                  **(attention_kwargs or {}))
+    h, hidden_states = ops.gated_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp)
+    c, encoder_hidden_states = ops.gated_modulated(self.norm2_context, encoder_hidden_states, c_gate_msa,
+                                                   context_attn_output, c_scale_mlp, c_shift_mlp)
+    hidden_states = hidden_states + self.ff(h) * gate_mlp.unsqueeze(1)
+    encoder_hidden_states = encoder_hidden_states + self.ff(c) * c_gate_mlp.unsqueeze(1)
+    return hidden_states, encoder_hidden_states
+
+
+def _why_not_cogview4(block) -> str | None:
     return ops.why_not_layer_norms((block.norm2, block.norm2_context))

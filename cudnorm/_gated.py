@@ -1,7 +1,7 @@
 """A gated residual into an adaptive LayerNorm: its formula in PyTorch's ops and cudnorm's fused op.
 
 DiT-style blocks add a sublayer's output to the residual stream through a per-sample gate and
-normalise the sum with the next modulation (Flux's, SD3's and HunyuanVideo's blocks)::
+normalise the sum with the next modulation (Flux's, SD3's, HunyuanVideo's and CogView4's blocks)::
 
     h = residual + gate[b] * branch
     y = LayerNorm(h) * (1 + scale[b]) + shift[b]        (or * scale[b] + shift[b])
