@@ -1,6 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
 holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's,
-Wan's, HunyuanVideo's and CogView4's blocks. Each calls the
+Wan's, SkyReels-V2's, HunyuanVideo's and CogView4's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -317,28 +317,46 @@ def _why_not_ltx(block) -> str | None:
     return ops.why_not_weightless_rms_norms((block.norm1, block.norm2))
 
 
-# ---------------------------------------------------------------- WanTransformerBlock (Wan 2.1/2.2, ChronoEdit, Wan-Animate)
+# ---------------------------------------------------------------- WanTransformerBlock (Wan 2.1/2.2, ChronoEdit, Wan-Animate), SkyReels-V2's
 
-def _wan_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-               rotary_emb: torch.Tensor) -> torch.Tensor:
-    """``WanTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` -> ``[B, S, D]``.
-    Wan computes each modulated norm in fp32 and rounds it once to the stream's dtype:
-    ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``, the modulation ``scale_shift_table``
-    plus ``temb [B, 6, D]`` in fp32 (chunks ``[B, 1, D]``); here ``norm1`` and ``norm3`` with
-    theirs are one fp32 :func:`cudnorm.ada_layer_norm` each, the same arithmetic. A modulation per
-    token (Wan 2.2 TI2V's ``temb [B, S, 6, D]``) runs the block's own forward."""
-    if temb.ndim != 3 or not ops.fusable(self.norm1, self.norm3):
-        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+def _wan_body(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+              rotary_emb: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The body of Wan's block for a per-sample modulation (``temb [B, 6, D]``): Wan computes each
+    modulated norm in fp32 and rounds it once to the stream's dtype, ``(norm(x.float()) * (1 +
+    scale) + shift).type_as(x)``, the modulation ``scale_shift_table`` plus ``temb`` in fp32 (chunks
+    ``[B, 1, D]``); here ``norm1`` and ``norm3`` with theirs are one fp32
+    :func:`cudnorm.ada_layer_norm` each, the same arithmetic."""
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
         self.scale_shift_table + temb.float()).chunk(6, dim=1)
     h = ops.modulated(self.norm1, hidden_states.float(), scale_msa, shift_msa).type_as(hidden_states)
-    attn_output = self.attn1(h, None, None, rotary_emb)
+    attn_output = self.attn1(h, None, attention_mask, rotary_emb)
     hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
     h = self.norm2(hidden_states.float()).type_as(hidden_states)
     hidden_states = hidden_states + self.attn2(h, encoder_hidden_states, None, None)
     h = ops.modulated(self.norm3, hidden_states.float(), c_scale_msa, c_shift_msa).type_as(hidden_states)
     ff_output = self.ffn(h)
     return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+
+def _wan_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+               rotary_emb: torch.Tensor) -> torch.Tensor:
+    """``WanTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` -> ``[B, S, D]``
+    (:func:`_wan_body`). A modulation per token (Wan 2.2 TI2V's ``temb [B, S, 6, D]``) runs the
+    block's own forward."""
+    if temb.ndim != 3 or not ops.fusable(self.norm1, self.norm3):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+    return _wan_body(self, hidden_states, encoder_hidden_states, temb, rotary_emb, None)
+
+
+def _skyreels_v2_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                       rotary_emb: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``SkyReelsV2TransformerBlock.forward``: Wan's block with a self-attention mask
+    (:func:`_wan_body`). A modulation per frame token (Diffusion Forcing's ``temb [B, 6, S, D]``)
+    runs the block's own forward."""
+    if temb.ndim != 3 or not ops.fusable(self.norm1, self.norm3):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb,
+                                               attention_mask)
+    return _wan_body(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
 
 
 def _why_not_wan(block) -> str | None:
