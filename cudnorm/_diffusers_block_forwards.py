@@ -1,6 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
 holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's,
-Wan's, SkyReels-V2's, HunyuanVideo's and CogView4's blocks. Each calls the
+Wan's, SkyReels-V2's, HunyuanVideo's, HunyuanImage's and CogView4's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -317,7 +317,7 @@ def _why_not_ltx(block) -> str | None:
     return ops.why_not_weightless_rms_norms((block.norm1, block.norm2))
 
 
-# ---------------------------------------------------------------- WanTransformerBlock (Wan 2.1/2.2, ChronoEdit, Wan-Animate), SkyReels-V2's
+# ---------------------------------------------------------------- WanTransformerBlock (Wan, ChronoEdit), SkyReels-V2's
 
 def _wan_body(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
               rotary_emb: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -363,23 +363,19 @@ def _why_not_wan(block) -> str | None:
     return ops.why_not_layer_norms((block.norm1, block.norm3))
 
 
-# ---------------------------------------------------------------- HunyuanVideoTransformerBlock (HunyuanVideo, 1.5)
+# ---------------------------------------------------------------- HunyuanVideo's and HunyuanImage's blocks
 
-def _hunyuan_video_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-                         attention_mask: torch.Tensor | None = None, freqs_cis=None, *args,
-                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``HunyuanVideoTransformerBlock.forward``: video tokens ``hidden_states [B, S, D]`` and text
-    tokens ``encoder_hidden_states [B, T, D]`` -> ``(hidden_states, encoder_hidden_states)``.
-    Flux's double-stream body: each stream's AdaLN (``norm1``, ``norm1_context``), the joint
-    attention, then each stream's gated residual add, ``norm2`` and its modulation as one op
-    (:func:`cudnorm._diffusers_block_ops.gated_modulated`)."""
-    if not ops.fusable(self.norm2, self.norm2_context):
-        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
-                                               freqs_cis, *args, **kwargs)
+def _hunyuan_streams(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                     attention_mask: torch.Tensor | None, rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flux's double-stream body as HunyuanVideo's and HunyuanImage's blocks write it: video (or
+    image) tokens ``hidden_states [B, S, D]`` and text tokens ``encoder_hidden_states [B, T, D]``
+    -> ``(hidden_states, encoder_hidden_states)``; each stream's AdaLN (``norm1``,
+    ``norm1_context``), the joint attention, then each stream's gated residual add, ``norm2`` and
+    its modulation as one op (:func:`cudnorm._diffusers_block_ops.gated_modulated`)."""
     h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
     c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
     attn_output, context_attn_output = self.attn(hidden_states=h, encoder_hidden_states=c,
-                                                 attention_mask=attention_mask, image_rotary_emb=freqs_cis)
+                                                 attention_mask=attention_mask, image_rotary_emb=rotary_emb)
     h, hidden_states = ops.gated_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp)
     c, encoder_hidden_states = ops.gated_modulated(self.norm2_context, encoder_hidden_states, c_gate_msa,
                                                    context_attn_output, c_scale_mlp, c_shift_mlp)
@@ -388,7 +384,27 @@ def _hunyuan_video_block(self, hidden_states: torch.Tensor, encoder_hidden_state
     return hidden_states, encoder_hidden_states
 
 
-def _why_not_hunyuan_video(block) -> str | None:
+def _hunyuan_video_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, freqs_cis=None, *args,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTransformerBlock.forward`` (:func:`_hunyuan_streams`)."""
+    if not ops.fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
+                                               freqs_cis, *args, **kwargs)
+    return _hunyuan_streams(self, hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis)
+
+
+def _hunyuan_image_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, image_rotary_emb=None, *args,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanImageTransformerBlock.forward`` (:func:`_hunyuan_streams`)."""
+    if not ops.fusable(self.norm2, self.norm2_context):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb, attention_mask,
+                                               image_rotary_emb, *args, **kwargs)
+    return _hunyuan_streams(self, hidden_states, encoder_hidden_states, temb, attention_mask, image_rotary_emb)
+
+
+def _why_not_hunyuan(block) -> str | None:
     return ops.why_not_layer_norms((block.norm2, block.norm2_context))
 
 

@@ -46,12 +46,12 @@ import torch
 
 from . import _diffusers_block_ops as ops
 from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _auraflow_single_block,
-                                        _cogview4_block, _flux2_block, _flux2_single_block, _hidream_block, _hidream_single_block,
-                                        _hunyuan_video_block, _ltx_block, _qwen_image_block, _sana_block, _skyreels_v2_block,
-                                        _wan_block, _why_not_allegro, _why_not_auraflow, _why_not_cogview4,
-                                        _why_not_flux2,
-                                        _why_not_hidream, _why_not_hunyuan_video, _why_not_ltx,
-                                        _why_not_qwen_image, _why_not_sana, _why_not_wan)
+                                        _cogview4_block, _flux2_block, _flux2_single_block, _hidream_block,
+                                        _hidream_single_block, _hunyuan_image_block, _hunyuan_video_block,
+                                        _ltx_block, _qwen_image_block, _sana_block, _skyreels_v2_block, _wan_block,
+                                        _why_not_allegro, _why_not_auraflow, _why_not_cogview4, _why_not_flux2,
+                                        _why_not_hidream, _why_not_hunyuan, _why_not_ltx, _why_not_qwen_image,
+                                        _why_not_sana, _why_not_wan)
 
 # ---------------------------------------------------------------- BasicTransformerBlock (DiT, PixArt)
 
@@ -255,7 +255,9 @@ BLOCKS = {
     f"{_TRANSFORMERS}.transformer_flux2.Flux2TransformerBlock": Block(_flux2_block, _why_not_flux2),
     f"{_TRANSFORMERS}.transformer_flux2.Flux2SingleTransformerBlock": Block(_flux2_single_block, _why_not_flux2),
     **dict.fromkeys(WAN_BODIES, Block(_wan_block, _why_not_wan)),
-    **dict.fromkeys(HUNYUAN_VIDEO_BODIES, Block(_hunyuan_video_block, _why_not_hunyuan_video)),
+    **dict.fromkeys(HUNYUAN_VIDEO_BODIES, Block(_hunyuan_video_block, _why_not_hunyuan)),
+    f"{_TRANSFORMERS}.transformer_hunyuanimage.HunyuanImageTransformerBlock": Block(_hunyuan_image_block,
+                                                                                      _why_not_hunyuan),
     f"{_TRANSFORMERS}.transformer_cogview4.CogView4TransformerBlock": Block(_cogview4_block, _why_not_cogview4),
     f"{_TRANSFORMERS}.transformer_skyreels_v2.SkyReelsV2TransformerBlock": Block(_skyreels_v2_block, _why_not_wan),
 }
