@@ -438,9 +438,10 @@ def patch(model: torch.nn.Module, *, blocks: bool = False) -> PatchReport:
         blocks: also swap the forward of the diffusers transformer blocks that modulate
             a plain norm's output inline (DiT/PixArt, SD3, Flux and the blocks sharing its
             forward, Chroma, FLUX.2, Sana, Allegro, HiDream-I1, Qwen-Image, LTX-Video,
-            AuraFlow: :data:`cudnorm._diffusers_blocks.BLOCKS`), so that the modulation runs
-            fused with the norm; opt-in: GPU model steps show it ahead of the plain patch on
-            most of them and behind on Allegro (docs/patching.md). Those blocks are listed in
+            AuraFlow, Wan, SkyReels-V2, HunyuanVideo, HunyuanImage, CogView4:
+            :data:`cudnorm._diffusers_blocks.BLOCKS`), so that the modulation runs fused with
+            the norm; opt-in: GPU model steps show it ahead of the plain patch on most of those
+            measured and behind on Allegro (docs/patching.md). Those blocks are listed in
             ``swapped`` too.
 
     Returns:
