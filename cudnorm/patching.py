@@ -150,28 +150,18 @@ def _fp32_layer_norm(self, input: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- what an instance needs
 
-def _why_not_weighted(module: torch.nn.Module, *, weight_dims=(1,), weight_optional=False) -> str | None:
-    """Why ``module`` lacks what the RMSNorm-like formulas read: a ``weight`` tensor of
-    ``weight_dims`` dims (or none, when optional) and a real ``eps >= 0``."""
-    weight = getattr(module, "weight", None)
+def _why_not_weighted(module: torch.nn.Module, *, weight_dims=(1,), weight_optional=False,
+                      attr: str = "weight") -> str | None:
+    """Why ``module`` lacks what the RMSNorm-like formulas read: a weight tensor (attribute
+    ``attr``: Stable Audio 3 names it ``gamma``) of ``weight_dims`` dims (or none, when
+    optional) and a real ``eps >= 0``."""
+    weight = getattr(module, attr, None)
     if weight is None and not weight_optional:
-        return "no weight, which its formula scales by"
+        return f"no {attr}, which its formula scales by"
     if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() not in weight_dims):
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        return f"a weight of shape {shape}, where its formula takes {' or '.join(f'{d}-D' for d in weight_dims)}"
+        return f"a {attr} of shape {shape}, where its formula takes {' or '.join(f'{d}-D' for d in weight_dims)}"
     eps = _eps(module) if hasattr(module, "variance_epsilon") or hasattr(module, "eps") else None
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
-        return f"eps {eps!r}, where its formula adds a number >= 0"
-    return None
-
-
-def _why_not_gamma(module: torch.nn.Module) -> str | None:
-    """:func:`_why_not_weighted` for a norm whose weight is named ``gamma``."""
-    gamma = getattr(module, "gamma", None)
-    if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1:
-        return f"gamma {type(gamma).__name__ if not isinstance(gamma, torch.Tensor) else tuple(gamma.shape)}, " \
-               "where its formula scales by a 1-D tensor"
-    eps = getattr(module, "eps", None)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         return f"eps {eps!r}, where its formula adds a number >= 0"
     return None
@@ -224,7 +214,7 @@ _FORMULA_LIST = (
     Formula("fp32_rms_norm", _fp32_rms_norm, functools.partial(_why_not_weighted, weight_optional=True)),
     Formula("gemma_rms_norm", _gemma_rms_norm, _why_not_weighted, methods=("forward", "_norm")),
     Formula("t5_rms_norm", _t5_rms_norm, _why_not_t5),
-    Formula("stable_audio3_rms_norm", _stable_audio3_rms_norm, _why_not_gamma),
+    Formula("stable_audio3_rms_norm", _stable_audio3_rms_norm, functools.partial(_why_not_weighted, attr="gamma")),
     Formula("cohere_layer_norm", _cohere_layer_norm, functools.partial(_why_not_weighted, weight_dims=(1, 2))),
     Formula("fp32_layer_norm", _fp32_layer_norm, _never),
     *(_fused(name, classes[0]) for name, classes in _patch_table.CLASSES.items() if classes[0] in FUSED),

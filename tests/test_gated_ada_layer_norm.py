@@ -31,13 +31,8 @@ def _inputs(b, s, d, dtype, device="cpu", gate_shape="bd"):
 
 
 def _reference(residual, branch, gate, scale, shift, one_plus_scale=True):
-    """fp64, from the definition."""
-    b, d = residual.shape[0], residual.shape[-1]
-    gate, scale, shift = (t.double().reshape(b, 1, d) for t in (gate, scale, shift))
-    h = residual.double() + gate * branch.double()
-    mean = h.mean(-1, keepdim=True)
-    xhat = (h - mean) / torch.sqrt(((h - mean) ** 2).mean(-1, keepdim=True) + EPS)
-    return xhat * (1 + scale if one_plus_scale else scale) + shift, h
+    """fp64, from the definition (:func:`cudnorm.reference.gated_ada_layer_norm`)."""
+    return ref.gated_ada_layer_norm(residual, branch, gate, scale, shift, EPS, dit=one_plus_scale)
 
 
 def _outputs_and_grads(fn, inputs, dtype=None):

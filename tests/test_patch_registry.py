@@ -454,6 +454,17 @@ def test_register(registry):
         registry.register(by_class, "gemma")
 
 
+def test_a_norm_without_its_gamma_is_left_saying_so():
+    """Stable Audio 3's formula reads a 1-D ``gamma``: an instance whose gamma is not one is left,
+    the report naming it."""
+    sa3 = pytest.importorskip("diffusers.models.transformers.transformer_stable_audio3")
+    norm = sa3.StableAudio3RMSNorm(8)
+    norm.gamma = torch.nn.Parameter(torch.ones(2, 4))
+    with pytest.warns(RuntimeWarning):
+        report = cudnorm.patch(norm)
+    assert not report.swapped and "a gamma of shape (2, 4)" in report.left[0][2], report.left
+
+
 def test_left_classes_say_why():
     """The reasons of the table's left classes reach the report (Qwen3-Next's gated norm is
     in the tiny model of tests/test_patching.py; the reason is checked here)."""
