@@ -17,8 +17,11 @@ describing, building, tuning and storing graphs, and deciding which plans serve 
 * The fallbacks C++ calls: cudnorm's Python implementation of an op (``_kernel_py``) or of
   a whole public call (``_composite_py``).
 
-Python state that changes what a signature resolves to (the configuration, evicted plans,
-``cudnorm.clear_cache()``, spec recording) empties the C++ recipe table.
+Python state that changes what a signature resolves to (evicted plans, forgotten decisions,
+``cudnorm.clear_cache()``) and an opening spec-recording block empty the C++ tables. The
+configuration is part of their keys instead (:func:`config_id`): a configuration set again, as
+``with cudnorm.config(...)`` blocks do, finds the recipes it resolved before rather than asking
+Python again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import itertools
 import os
 import shutil
 import sys
@@ -38,7 +42,7 @@ from types import SimpleNamespace
 import torch
 
 from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
-               _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _warn)
+               _lru, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -355,14 +359,33 @@ def _sync() -> None:
     current = _settings.current
     serve = current.native != "off" and not current.disable_cudnn and not _recording.blocks
     native = torch.ops.cudnorm_native
-    native.clear()
-    native.configure(serve, *policy_arguments(current.policy))
+    if _recording.blocks:  # every signature resolves in Python while specs are recorded, as the block opens
+        native.clear()
+    native.configure(serve, *policy_arguments(current.policy), config_id(current))
     module = _state.module
     _entry.layer_norm, _entry.rms_norm = module.layer_norm, module.rms_norm
     _entry.add_layer_norm, _entry.add_rms_norm = module.add_layer_norm, module.add_rms_norm
     _entry.ada_layer_norm = module.ada_layer_norm
     _entry.affine_fold = module.affine_fold
     _entry.native = serve
+
+
+# configuration -> its number in the C++ tables' keys. Numbers are never reused: a configuration
+# that left this cache and comes back gets a new one (its old recipes are unreachable, and go
+# when the C++ table next starts over)
+_CONFIG_IDS = _lru.LRU("native_configs", 64)
+_next_config_id = itertools.count(1)
+
+
+def config_id(config: _settings.Config) -> int:
+    """The number of ``config`` in the C++ recipe and decision keys: the same for equal
+    configurations while this process keeps it, so switching back to one finds its recipes (a
+    recipe depends on the whole configuration: policy, autotune, row bucketing, ...)."""
+    found = _CONFIG_IDS.get(config)
+    if found is None:
+        found = next(_next_config_id)
+        _CONFIG_IDS.put(config, found)
+    return found
 
 
 def policy_arguments(policy: str) -> tuple[bool, int, bool]:

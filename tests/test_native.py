@@ -17,7 +17,7 @@ import emulated_cudnn as emu
 import interpreted
 
 import cudnorm
-from cudnorm import _ada_kernel, _entry, _native, _policy, _runtime
+from cudnorm import _ada_kernel, _entry, _lru, _native, _policy, _runtime
 
 BF16 = torch.bfloat16
 
@@ -392,3 +392,23 @@ def test_serving_path_answers_for_the_path_the_call_would_take(untried, monkeypa
         path = cudnorm.serving_path("layer_norm", torch.randn(4, 32))
     assert path == f"torch (small call: policy 'auto', {_policy.NATIVE_CUDNN_MIN_ELEMENTS} elements or more run on cuDNN)"
     assert _entry.native
+
+
+def test_a_configuration_set_again_keys_the_same_recipes(monkeypatch):
+    # C++ keys recipes and decisions by this number, so `with cudnorm.config(...)` blocks that
+    # come and go find their recipes again instead of asking Python for every signature
+    auto, torch_policy = _native.config_id(cudnorm.Config()), _native.config_id(cudnorm.Config(policy="torch"))
+    assert auto != torch_policy
+    assert _native.config_id(cudnorm.Config()) == auto
+    assert _native.config_id(cudnorm.Config(autotune="on")) not in (auto, torch_policy)
+
+
+def test_a_configuration_the_cache_let_go_gets_a_new_number(monkeypatch):
+    # numbers are never reused: the recipes of a configuration that left are unreachable
+    monkeypatch.setattr(_native, "_CONFIG_IDS", _lru.LRU("configs", 2, register=False))
+    first = _native.config_id(cudnorm.Config(cache_size=10))
+    second = _native.config_id(cudnorm.Config(cache_size=20))
+    assert _native.config_id(cudnorm.Config(cache_size=20)) == second
+    third = _native.config_id(cudnorm.Config(cache_size=30))  # evicts cache_size=10
+    again = _native.config_id(cudnorm.Config(cache_size=10))
+    assert len({first, second, third, again}) == 4

@@ -438,9 +438,19 @@ def test_threads_share_recipes_safely():
     assert not errors, errors
 
 
-def test_settings_change_empties_the_recipe_table():
+def test_a_configuration_block_keeps_the_recipes_of_the_one_around_it():
+    # the configuration is part of the recipe key: a `with cudnorm.config(...)` block resolves
+    # its own recipes, and the code after it finds the earlier ones (no call into Python)
     x = _bf16(64, 1024)
     cudnorm.layer_norm(x, (1024,))
-    assert _native.counters()["recipes"] > 0
-    cudnorm.config(autotune="on")
+    before = _native.counters()
+    assert before["recipes"] > 0
+    with cudnorm.config(autotune="on"):
+        cudnorm.layer_norm(x, (1024,))
+    inside = _native.counters()
+    assert inside["resolved"] == before["resolved"] + 1
+    cudnorm.layer_norm(x, (1024,))
+    after = _native.counters()
+    assert after["resolved"] == inside["resolved"] and after["hits"] == inside["hits"] + 1
+    cudnorm.clear_cache()  # what changes a resolution still empties the table
     assert _native.counters()["recipes"] == 0

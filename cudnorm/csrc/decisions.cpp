@@ -5,7 +5,7 @@
 // counts: cudnorm._candidates.Signature), timing cuDNN, PyTorch's op and cudnorm's own kernel
 // where it may; this table keeps the answers, so a later call of the signature pays one hashed
 // lookup here and nothing in Python. Python empties it whenever its decisions change
-// (cudnorm.clear_cache(), the configuration).
+// (cudnorm.clear_cache()); the configuration is part of the key (Settings::config).
 #include "native.h"
 
 #include <ATen/Context.h>
@@ -19,7 +19,7 @@ namespace cudnorm {
 
 namespace {
 
-using Key = std::array<int64_t, 9>;
+using Key = std::array<int64_t, 10>;
 
 struct KeyHash {
   size_t operator()(const Key& key) const {
@@ -42,7 +42,8 @@ Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, 
                   const OptTensor& bias) {
   // cudnorm._candidates.signature: row counts within a factor of two share a decision
   const Key key{static_cast<int64_t>(op), training, static_cast<int64_t>(input.scalar_type()), dtype_code(weight), dtype_code(bias), n,
-                bit_length(input.numel() / n), input.get_device(), at::globalContext().deterministicAlgorithms()};
+                bit_length(input.numel() / n), input.get_device(), at::globalContext().deterministicAlgorithms(),
+                settings().config};
   uint64_t seen;
   {
     std::shared_lock<std::shared_mutex> lock(decisions_mutex);

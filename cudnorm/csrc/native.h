@@ -109,9 +109,12 @@ struct Settings {
   bool policy_auto = true;         // Config.policy is "auto" or "torch" (same-dtype calls may run PyTorch's op)
   int64_t cudnn_min_elements = 0;  // same-dtype eager calls below this run PyTorch's op
   bool measured = false;           // Config.policy == "auto": larger calls take the measured decision
+  // which configuration this is (cudnorm._native.config_id): part of every recipe's and
+  // decision's key, so a configuration set again finds what it resolved before
+  int64_t config = 0;
 };
 const Settings& settings();
-void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured);
+void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured, int64_t config);
 
 // ---------------------------------------------------------------- decisions (decisions.cpp)
 // What serves an eager LayerNorm / RMSNorm / adaptive LayerNorm call: cuDNN's plans (this

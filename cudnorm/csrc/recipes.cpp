@@ -2,8 +2,10 @@
 //
 // A recipe is what Python resolved for one call signature (cudnorm._native.resolve): which
 // plans launch and how. The first call of a signature asks Python (which may build plans);
-// later calls find the recipe here. Python empties the table whenever its own state changes
-// what a signature resolves to (settings, evicted plans, cudnorm.clear_cache()).
+// later calls find the recipe here. The configuration is part of the key (Settings::config), so
+// switching configurations back and forth finds each one's recipes; Python empties the table
+// whenever its own state changes what a signature resolves to (evicted plans, forgotten
+// decisions, cudnorm.clear_cache()).
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,7 +20,7 @@ namespace cudnorm {
 
 namespace {
 
-constexpr size_t kKeySize = 14;
+constexpr size_t kKeySize = 15;
 // A bound on the signatures kept: a run over ever new shapes starts the table over rather
 // than growing it (a signature costs one call into Python to resolve again).
 constexpr size_t kMaxRecipes = 4096;
@@ -65,6 +67,7 @@ Key make_key(Kind kind, const Tensor& x, const std::vector<int64_t>& ints, const
   key[i++] = x.stride(0);
   key[i++] = static_cast<int64_t>(x.scalar_type());
   key[i++] = x.get_device();
+  key[i++] = current.config;
   TORCH_CHECK(ints.size() + floats.size() <= kKeySize - i, "cudnorm: call signature too long");
   for (int64_t v : ints) key[i++] = v;
   for (double v : floats) key[i++] = double_bits(v);
@@ -152,7 +155,7 @@ std::vector<int64_t> counters() {
 
 const Settings& settings() { return current; }
 
-void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured) {
+void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool measured, int64_t config) {
   // Python changes the configuration between calls (cudnorm.config); the fields are read
   // without a lock on every call, and a call racing a change sees the old or the new value.
   std::lock_guard<std::mutex> lock(settings_mutex);
@@ -160,6 +163,7 @@ void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool 
   current.cudnn_min_elements = cudnn_min_elements;
   current.measured = measured;
   current.enabled = enabled;
+  current.config = config;
 }
 
 std::vector<Tensor> kernel_py(const std::string& name, const std::vector<OptTensor>& tensors,

@@ -57,9 +57,9 @@ TORCH_LIBRARY(cudnorm_native, m) {
     cudnorm::clear_recipes();
     cudnorm::clear_decisions();
   });
-  m.def("configure(bool enabled, bool policy_auto, int cudnn_min_elements, bool measured) -> ()",
-        [](bool enabled, bool policy_auto, int64_t min_elements, bool measured) {
-          cudnorm::configure(enabled, policy_auto, min_elements, measured);
+  m.def("configure(bool enabled, bool policy_auto, int cudnn_min_elements, bool measured, int config) -> ()",
+        [](bool enabled, bool policy_auto, int64_t min_elements, bool measured, int64_t config) {
+          cudnorm::configure(enabled, policy_auto, min_elements, measured, config);
         });
   m.def("counters() -> int[]", [] { return cudnorm::counters(); });
   // cudnorm's own kernels as the native path launches them, for the dispatcher to time
