@@ -6,6 +6,7 @@ library."""
 from __future__ import annotations
 
 import csv
+import statistics
 
 import pytest
 import torch
@@ -174,6 +175,30 @@ def test_ratios_of_a_case():
     rows["limit"]["step_ms"] = 101.0  # a limit no faster than torch leaves no gain to share
     models._ratios(rows)
     assert rows["cudnorm"]["share_of_limit"] is None
+
+
+def test_round_by_round_spread_says_when_a_row_lies_beyond_the_noise():
+    # ratios pair the rounds: a drift that slows every provider in one round cancels
+    torch_ms = [10.0, 20.0, 10.0, 20.0, 10.0, 20.0, 10.0, 20.0]
+    rows = {p: {**models.blank_row(real_models.RealCase(MODELS[0], "train"), p), "host_ms": 1.0,
+                "step_ms": statistics.median(ms), "_round_ms": ms}
+            for p, ms in (("torch", torch_ms), ("cudnorm", [t / 0.9 for t in torch_ms]),
+                          ("torch-again", [t * f for t, f in zip(torch_ms, (0.98, 1.02) * 4)]),
+                          ("limit", [t / 1.2 for t in torch_ms]))}
+    models._ratios(rows)
+    assert rows["cudnorm"]["speedup_q1"] == pytest.approx(0.9) and rows["cudnorm"]["speedup_q3"] == pytest.approx(0.9)
+    assert models.against_noise(rows["cudnorm"], rows["torch-again"]) == "slower"
+    assert models.against_noise(rows["limit"], rows["torch-again"]) == "faster"
+    assert models.against_noise(rows["torch-again"], rows["torch-again"]) == ""
+    line = {r[1]: r for r in models._real_lines(list(rows.values()))[1:]}
+    assert line["cudnorm"][3] == "0.90-0.90 slower" and line["limit"][3] == "1.20-1.20 faster"
+    assert line["torch"][3] == "" and "slower" not in line["torch-again"][3]
+    # within the noise: no verdict; too few rounds or a row read back from a CSV: no spread
+    rows["cudnorm"]["_round_ms"] = [t * f for t, f in zip(torch_ms, (1.01, 0.99) * 4)]
+    models._ratios(rows)
+    assert models.against_noise(rows["cudnorm"], rows["torch-again"]) == ""
+    assert models.paired_quartiles([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == (None, None)
+    assert models.paired_quartiles(None, [1.0] * 5) == (None, None)
 
 
 def test_flux_training_turns_cudnn_sdpa_off(capsys):

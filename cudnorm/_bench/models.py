@@ -71,7 +71,7 @@ from .._progress import progress
 # the columns a models.csv has had since issue 32 (how --from-csv tells one), then the newer ones
 BASE_COLUMNS = ("model", "case", "mode", "provider", "batch", "seq", "width", "step_ms", "host_ms", "speedup",
                 "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib", "compile_s", "status")
-COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch")
+COLUMNS = BASE_COLUMNS + ("again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch", "speedup_q1", "speedup_q3")
 # A patched model's output error against an fp32 copy of the unpatched model may be at most
 # this many times the unpatched model's own error in the same dtype (issue 46's rule for real models)
 FP32_ERROR_RULE = 1.25
@@ -103,7 +103,8 @@ backward (or forward) returns. saving = where torch's norm work takes longer tha
 norm GPU time saved (CUDA graph of the step's norms) / step time saved. rel diff = relative
 L2 distance of cudnorm's output / first-Linear weight gradient from torch's on the same inputs.
 Real models (one line per provider): again = torch's time / torch-again's (the noise floor);
-share of limit = (torch ms - this ms) / (torch ms - limit ms), where limit is the model with
+rounds = the middle half (quartiles) of torch's time / this provider's, round by round, and
+"slower" / "faster" where it lies wholly below / above torch-again's (beyond the noise); share of limit = (torch ms - this ms) / (torch ms - limit ms), where limit is the model with
 its norms and AdaLN modulation costing nothing; rel diff out / grad of the latent input, in
 eval mode."""
 
@@ -385,7 +386,7 @@ def _recompiles_allowed(enabled: bool):
 
 _INTS = ("batch", "seq", "width")
 _FLOATS = ("step_ms", "host_ms", "speedup", "host_ratio", "norm_ms", "rel_diff", "grad_rel_diff", "max_mem_gib",
-           "compile_s", "again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch")
+           "compile_s", "again_ratio", "share_of_limit", "fp32_err", "fp32_err_vs_torch", "speedup_q1", "speedup_q3")
 
 
 def typed_row(row: dict) -> dict:
@@ -399,7 +400,7 @@ def blank_row(case: Case | RealCase, provider: str) -> dict:
             "seq": case.seq, "width": case.width, "step_ms": None, "host_ms": None, "speedup": None,
             "host_ratio": None, "norm_ms": None, "rel_diff": None, "grad_rel_diff": None, "max_mem_gib": None,
             "compile_s": None, "status": "ok", "again_ratio": None, "share_of_limit": None, "fp32_err": None,
-            "fp32_err_vs_torch": None}
+            "fp32_err_vs_torch": None, "speedup_q1": None, "speedup_q3": None}
 
 
 def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Workload]:
@@ -505,6 +506,7 @@ def _interleave(case, live, settings, device, rows) -> None:
     for p in live:
         rows[p]["step_ms"] = statistics.median(steps[p])
         rows[p]["host_ms"] = statistics.median(hosts[p])
+        rows[p]["_round_ms"] = steps[p]  # for _ratios' round-by-round spread; not a column
 
 
 def norm_ms(case: Case, provider: str, device: str, dtype: torch.dtype) -> float:
@@ -595,10 +597,35 @@ def _ratios(rows: dict[str, dict]) -> None:
     for row in rows.values():
         if row["step_ms"]:
             row["speedup"] = base["step_ms"] / row["step_ms"]
+            row["speedup_q1"], row["speedup_q3"] = paired_quartiles(base.get("_round_ms"), row.get("_round_ms"))
             row["host_ratio"] = base["host_ms"] / row["host_ms"]
             row["again_ratio"] = again_ratio
             # no share where the limit is no faster than torch: nothing to take a share of
             row["share_of_limit"] = (base["step_ms"] - row["step_ms"]) / gain if gain and gain > 0 else None
+
+
+def paired_quartiles(base: list[float] | None, mine: list[float] | None) -> tuple[float | None, float | None]:
+    """The first and third quartiles of ``base[r] / mine[r]`` over the rounds ``r`` both
+    providers were timed in (ms per step of each round): the spread of a speed-up with the
+    drift between rounds cancelled, since both ran in each round. ``(None, None)`` for fewer
+    than four rounds, or for rows read back from a CSV."""
+    ratios = [b / m for b, m in zip(base or (), mine or ()) if m]
+    if len(ratios) < 4:
+        return None, None
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return q1, q3
+
+
+def against_noise(row: dict, again: dict | None) -> str:
+    """``"slower"`` or ``"faster"`` where the middle half of ``row``'s round-by-round speed-ups
+    lies wholly below or above PyTorch again's (the same model unpatched, a second copy: the
+    run's noise), else ``""``: issue 46's "beyond PyTorch again's spread", read off one run."""
+    if not again or None in (row.get("speedup_q1"), row.get("speedup_q3"), again.get("speedup_q1"),
+                             again.get("speedup_q3")):
+        return ""
+    if row["speedup_q3"] < again["speedup_q1"]:
+        return "slower"
+    return "faster" if row["speedup_q1"] > again["speedup_q3"] else ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -625,15 +652,26 @@ def _saving_cell(torch_row: dict, mine: dict) -> str:
 def _real_lines(mine: list[dict]) -> list[list[str]]:
     """A real model's table: a line per (case, provider) with the ratios the issue's targets
     read (speed-up, torch-again's ratio, share of the limit's gain) and the errors."""
-    lines = [["case", "provider", "ms/step (vs torch)", "again", "share of limit", "host ms",
+    lines = [["case", "provider", "ms/step (vs torch)", "rounds", "again", "share of limit", "host ms",
               "rel diff out / grad", "err vs fp32 (x torch's)", "status"]]
+    again_rows = {r["case"]: r for r in mine if r["provider"] == "torch-again"}
     for r in mine:
         share, again = r.get("share_of_limit"), r.get("again_ratio")
         diffs = [v for v in (r["rel_diff"], r["grad_rel_diff"]) if v is not None]
-        lines.append([r["case"], r["provider"], _speed_cell(r), "" if again is None else f"{again:.2f}x",
+        lines.append([r["case"], r["provider"], _speed_cell(r), _rounds_cell(r, again_rows.get(r["case"])),
+                      "" if again is None else f"{again:.2f}x",
                       "" if share is None else f"{share:.0%}", "" if r["host_ms"] is None else f"{r['host_ms']:.2f}",
                       " / ".join(f"{v:.1e}" for v in diffs), _fp32_cell(r), "" if r["status"] == "ok" else r["status"]])
     return lines
+
+
+def _rounds_cell(row: dict, again: dict | None) -> str:
+    """The middle half of a provider's round-by-round speed-ups, and whether it lies beyond
+    PyTorch again's (:func:`against_noise`); blank for torch itself and rows without rounds."""
+    if row["provider"] == "torch" or row.get("speedup_q1") is None:
+        return ""
+    verdict = "" if row["provider"] == "torch-again" else against_noise(row, again)
+    return f"{row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}" + (f" {verdict}" if verdict else "")
 
 
 def _fp32_cell(row: dict) -> str:
