@@ -394,7 +394,7 @@ def test_serving_path_answers_for_the_path_the_call_would_take(untried, monkeypa
     assert _entry.native
 
 
-def test_a_configuration_set_again_keys_the_same_recipes(monkeypatch):
+def test_a_configuration_set_again_keys_the_same_recipes():
     # C++ keys recipes and decisions by this number, so `with cudnorm.config(...)` blocks that
     # come and go find their recipes again instead of asking Python for every signature
     auto, torch_policy = _native.config_id(cudnorm.Config()), _native.config_id(cudnorm.Config(policy="torch"))

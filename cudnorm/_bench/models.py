@@ -104,7 +104,8 @@ norm GPU time saved (CUDA graph of the step's norms) / step time saved. rel diff
 L2 distance of cudnorm's output / first-Linear weight gradient from torch's on the same inputs.
 Real models (one line per provider): again = torch's time / torch-again's (the noise floor);
 rounds = the middle half (quartiles) of torch's time / this provider's, round by round, and
-"slower" / "faster" where it lies wholly below / above torch-again's (beyond the noise); share of limit = (torch ms - this ms) / (torch ms - limit ms), where limit is the model with
+"slower" / "faster" where it lies wholly below / above torch-again's (beyond the noise);
+share of limit = (torch ms - this ms) / (torch ms - limit ms), where limit is the model with
 its norms and AdaLN modulation costing nothing; rel diff out / grad of the latent input, in
 eval mode."""
 
