@@ -40,7 +40,9 @@ kernels (:mod:`cudnorm._ada_rms`). A fused diffusers block's weightless RMSNorm 
 (op ``"modulated_rms_norm"``) weighs the same kernels against the block's own formula in the
 input's dtype, which the plain patch runs. A gated residual into an adaptive LayerNorm (op
 ``"gated_ada_layer_norm"``, :mod:`cudnorm._gated`) has the formula in PyTorch's ops and, as
-``kernel``, cudnorm's fused op.
+``kernel``, cudnorm's fused op. A norm modulated per token (ops ``"token_ada_layer_norm"`` and
+``"token_ada_rms_norm"``, :mod:`cudnorm._token_ada`: ``[M, N]`` scale and shift, one row per row
+of the input) has diffusers' formula in PyTorch's ops and, as ``kernel``, cudnorm's kernels.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ada_kernel, _ada_rms, _entry, _gated, _norm_kernel
+from . import _ada_kernel, _ada_rms, _entry, _gated, _norm_kernel, _token_ada
 
 _F32 = torch.float32
 _LN_FORWARD = torch.ops.aten.native_layer_norm.default
@@ -71,7 +73,7 @@ class Signature(NamedTuple):
     would time every new shape)."""
 
     op: str  # "layer_norm" | "rms_norm" | "ada_rms_norm" | "ada_layer_norm" | "modulated_layer_norm" |
-    # "modulated_rms_norm" | "gated_ada_layer_norm"
+    # "modulated_rms_norm" | "gated_ada_layer_norm" | "token_ada_layer_norm" | "token_ada_rms_norm"
     training: bool  # forward and backward, or the forward alone
     dtype: torch.dtype  # the input's
     weight: torch.dtype | None  # None: no weight (the per-sample ops: the scale's)
@@ -109,8 +111,13 @@ class Candidate:
     prepare: Callable[..., Callable[[], object]]
 
 
-# the ops with a per-sample [B, N] weight and bias, which only these candidates serve
-MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm", "modulated_rms_norm", "gated_ada_layer_norm")
+# the per-token ops: [M, N] scale and shift, a row for each row of the input
+TOKEN_LAYER_NORM = "token_ada_layer_norm"
+TOKEN_RMS_NORM = "token_ada_rms_norm"
+TOKEN = (TOKEN_LAYER_NORM, TOKEN_RMS_NORM)
+# the ops with a per-sample [B, N] (per-token [M, N]) weight and bias, which only these candidates serve
+MODULATED = ("ada_rms_norm", "modulated_layer_norm", "ada_layer_norm", "modulated_rms_norm",
+             "gated_ada_layer_norm") + TOKEN
 AFFINE_MODULATED = "modulated_layer_norm"
 ADA_LAYER_NORM = "ada_layer_norm"
 MODULATED_RMS = "modulated_rms_norm"
@@ -128,6 +135,8 @@ def _torch_supports(sig: Signature) -> bool:
 
 
 def _torch_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op in TOKEN:
+        return _token_prepare(sig, x, weight, bias, eps, _token_ada.formula)
     if sig.op in _LAYER_NORM_MODULATED:
         return _modulated_prepare(sig, x, weight, bias, eps, _modulated_formula)
     if sig.op == MODULATED_RMS:
@@ -207,6 +216,22 @@ def _modulated_rms_kernel(x3, w, b, scale, shift, eps):
     return _ada_rms.kernel(x3, scale, shift, eps, True)
 
 
+def _token_prepare(sig: Signature, x, scale, shift, eps, fn):
+    """A closure running ``fn`` (:mod:`cudnorm._token_ada`'s formula or kernel) on the call's
+    ``[M, N]`` rows with ``[M, N]`` scale and shift (detached copies: leaves of its own), a
+    training call's backward through autograd."""
+    rms = sig.op == TOKEN_RMS_NORM
+    leaves = [None if t is None else t.detach().clone().requires_grad_(sig.training) for t in (x, scale, shift)]
+    if not sig.training:
+        return lambda: fn(*leaves, eps, rms, True)
+    inputs = [t for t in leaves if t is not None]
+
+    def run():
+        with torch.enable_grad():
+            return torch.autograd.grad(fn(*leaves, eps, rms, True), inputs, x)
+    return run
+
+
 def _gated_prepare(sig: Signature, x, scale, shift, eps, fn):
     """A closure running ``fn`` (:mod:`cudnorm._gated`'s formula or fused op) on the call's
     ``[B, S, N]`` stream, the stream itself standing for the branch and the scale for the gate
@@ -282,6 +307,8 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps):
 
 
 def _kernel_supports(sig: Signature) -> bool:
+    if sig.op in TOKEN:
+        return _token_ada.supports(sig.cols, sig.dtype, sig.weight, sig.bias)
     if sig.op in _LAYER_NORM_MODULATED:
         return False
     if sig.op == GATED:  # the fused op's backward kernel (its forward: a multiply-add and the AdaLN op)
@@ -293,6 +320,8 @@ def _kernel_supports(sig: Signature) -> bool:
 
 
 def _kernel_prepare(sig: Signature, x, weight, bias, eps):
+    if sig.op in TOKEN:
+        return _token_prepare(sig, x, weight, bias, eps, _token_ada.kernel)
     if sig.op == GATED:
         return _gated_prepare(sig, x, weight, bias, eps, _gated.fused)
     if sig.op == MODULATED_RMS:
@@ -325,14 +354,16 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
 # Which implementation of the candidates a stored decision measured: bumped whenever a change
 # to a candidate would change what its measurement finds, so decisions stored by an earlier
 # revision are measured again (2: cudnorm's kernel launched from C++ on the native path; 3: every
-# candidate charged its GPU plus its host time, not its GPU time alone).
-REVISION = 3
+# candidate charged its GPU plus its host time, not its GPU time alone; 4: the kernel's backward
+# sums its parameter gradients in one more launch of its own, not PyTorch's sum and casts).
+REVISION = 4
 # candidate -> the revision in which it last changed what its measurement finds: a prior written
 # at an earlier revision (``cudnorm/priors/``, key ``candidates_revision``, 1 where absent) does
 # not stand for it (its kernel timings there include the Python launch's host time). Revision 3
 # changed no candidate: a prior's GPU times still screen out cliffs (a candidate 3x slower on
 # the GPU stays slower with its host time added), and a call that may not measure (CUDA-graph
-# capture) takes the prior's choice by GPU time, as before.
+# capture) takes the prior's choice by GPU time, as before. Revision 4 made the kernel's backward
+# faster, so a prior of revisions 2-3 can only understate it: it still stands.
 CHANGED_IN = {"kernel": 2}
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has

@@ -1,6 +1,6 @@
 """Fused forwards of diffusers blocks beyond the first four families (:mod:`cudnorm._diffusers_blocks`
 holds the table): FLUX.2's, Qwen-Image's, Sana's, Allegro's, HiDream's, LTX-Video's, AuraFlow's,
-Wan's, SkyReels-V2's, HunyuanVideo's, HunyuanImage's and CogView4's blocks. Each calls the
+Wan's, SkyReels-V2's, HunyuanVideo's, HunyuanImage's, CogView4's and FLUX.3's blocks. Each calls the
 block's children in the block's order, with each modulated norm one op
 (:mod:`cudnorm._diffusers_block_ops`), and runs the block's own forward where it cannot fuse."""
 
@@ -436,3 +436,42 @@ def _cogview4_block(self, hidden_states: torch.Tensor, encoder_hidden_states: to
 
 def _why_not_cogview4(block) -> str | None:
     return ops.why_not_layer_norms((block.norm2, block.norm2_context))
+
+
+# ---------------------------------------------------------------- FLUX.3's blocks (modulated per token)
+
+def _flux3_block(self, hidden_states: torch.Tensor, temb_mod: torch.Tensor,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``Flux3TransformerBlock.forward`` (a token mode's own blocks): ``hidden_states [B, S, D]``,
+    ``temb_mod [B, S, 3 * D]`` (shift, scale, gate per token); the norm and its per-token
+    modulation one op (:func:`cudnorm.ada_layer_norm`'s per-token path)."""
+    if not ops.fusable(self.norm):
+        return self._cudnorm_unpatched.forward(self, hidden_states, temb_mod, image_rotary_emb)
+    mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
+    h = ops.modulated(self.norm, hidden_states, mod_scale, mod_shift)
+    attn_output = self.attn(hidden_states=h, image_rotary_emb=image_rotary_emb)
+    return hidden_states + mod_gate * (attn_output + self.ff(h))
+
+
+def _flux3_single_block(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        temb_mod: torch.Tensor, temb_mod_context: torch.Tensor,
+                        image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Flux3SingleTransformerBlock.forward``: content ``hidden_states [B, S, D]`` and text
+    ``encoder_hidden_states [B, T, D]``, each with its per-token modulation, one shared norm ->
+    ``(encoder_hidden_states, hidden_states)``; each stream's modulated norm one op."""
+    if not ops.fusable(self.norm):
+        return self._cudnorm_unpatched.forward(self, hidden_states, encoder_hidden_states, temb_mod, temb_mod_context,
+                                               image_rotary_emb)
+    mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
+    c_mod_shift, c_mod_scale, c_mod_gate = torch.chunk(temb_mod_context, 3, dim=-1)
+    h = ops.modulated(self.norm, hidden_states, mod_scale, mod_shift)
+    c = ops.modulated(self.norm, encoder_hidden_states, c_mod_scale, c_mod_shift)
+    combined = torch.cat([c, h], dim=1)
+    output = self.attn(hidden_states=combined, image_rotary_emb=image_rotary_emb) + self.ff(combined)
+    context_output, content_output = torch.split(
+        output, [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
+    return encoder_hidden_states + c_mod_gate * context_output, hidden_states + mod_gate * content_output
+
+
+def _why_not_flux3(block) -> str | None:
+    return ops.why_not_layer_norms((block.norm,))

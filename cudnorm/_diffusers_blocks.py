@@ -26,7 +26,9 @@ others in :mod:`cudnorm._diffusers_block_forwards`:
 * ``LTXVideoTransformerBlock`` (LTX-Video: weightless RMSNorms, one :func:`cudnorm.ada_rms_norm`
   each);
 * ``AuraFlowJointTransformerBlock`` and ``AuraFlowSingleTransformerBlock`` (AuraFlow: each
-  stream's ``norm2``, an FP32LayerNorm).
+  stream's ``norm2``, an FP32LayerNorm);
+* ``Flux3TransformerBlock`` and ``Flux3SingleTransformerBlock`` (FLUX.3: ``norm`` modulated per
+  token, one or two streams: :func:`cudnorm.ada_layer_norm`'s per-token path).
 
 Everything else in each forward is the block's own computation, op for op; the fused op rounds
 once where the block's formula rounds three times (one rounding step of the activation dtype
@@ -46,10 +48,12 @@ import torch
 
 from . import _diffusers_block_ops as ops
 from ._diffusers_block_forwards import (_allegro_block, _auraflow_joint_block, _auraflow_single_block,
-                                        _cogview4_block, _flux2_block, _flux2_single_block, _hidream_block,
+                                        _cogview4_block, _flux2_block, _flux2_single_block, _flux3_block,
+                                        _flux3_single_block, _hidream_block,
                                         _hidream_single_block, _hunyuan_image_block, _hunyuan_video_block,
                                         _ltx_block, _qwen_image_block, _sana_block, _skyreels_v2_block, _wan_block,
                                         _why_not_allegro, _why_not_auraflow, _why_not_cogview4, _why_not_flux2,
+                                        _why_not_flux3,
                                         _why_not_hidream, _why_not_hunyuan, _why_not_ltx, _why_not_qwen_image,
                                         _why_not_sana, _why_not_wan)
 
@@ -260,4 +264,6 @@ BLOCKS = {
                                                                                       _why_not_hunyuan),
     f"{_TRANSFORMERS}.transformer_cogview4.CogView4TransformerBlock": Block(_cogview4_block, _why_not_cogview4),
     f"{_TRANSFORMERS}.transformer_skyreels_v2.SkyReelsV2TransformerBlock": Block(_skyreels_v2_block, _why_not_wan),
+    f"{_TRANSFORMERS}.transformer_flux3.Flux3TransformerBlock": Block(_flux3_block, _why_not_flux3),
+    f"{_TRANSFORMERS}.transformer_flux3.Flux3SingleTransformerBlock": Block(_flux3_single_block, _why_not_flux3),
 }

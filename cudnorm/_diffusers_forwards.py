@@ -104,8 +104,9 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     """diffusers' ``layer_norm(x, weight, bias) * (1 + scale) + shift`` over the last dim.
 
     ``scale``/``shift`` come indexed as diffusers broadcasts them: ``[B, 1, D]`` per sample
-    for ``x [B, S, D]``, or ``[D]`` shared. Per-sample pairs run one :func:`ada_layer_norm`,
-    shared pairs one :func:`layer_norm`; an affine weight/bias is folded into the gain and
+    for ``x [B, S, D]``, ``[B, S, D]`` per token, or ``[D]`` shared. Per-sample pairs run one
+    :func:`ada_layer_norm`, as do per-token pairs of a non-affine norm (its per-token kernels,
+    :mod:`cudnorm._token_ada`), shared pairs one :func:`layer_norm`; an affine weight/bias is folded into the gain and
     shift first: ``(xhat * w + b) * (1 + s) + t == xhat * (w * (1 + s)) + (b * (1 + s) + t)``,
     except where the measured decision of a per-sample affine call picks diffusers' formula
     itself (:func:`_formula_serves`).
@@ -115,10 +116,14 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     per_sample = (scale.dim() == x.dim() >= 2 and scale.shape == shift.shape and scale.shape[0] == x.shape[0]
                   and scale.shape[-1] == d and scale.numel() == x.shape[0] * d)
     shared = scale.dim() == shift.dim() == 1 and scale.shape[0] == shift.shape[0] == d
-    if not (per_sample or shared):  # any other broadcast: the formula as written
+    per_token = (weight is None and bias is None and x.dim() >= 3 and scale.shape == shift.shape == x.shape
+                 and scale.shape[-2] != 1)
+    if not (per_sample or shared or per_token):  # any other broadcast: the formula as written
         return layer_norm(x, d, weight, bias, eps) * (1 + scale) + shift
     dtype = torch.promote_types(x.dtype, torch.promote_types(scale.dtype, shift.dtype))
     x = x.to(dtype)
+    if per_token:
+        return ada_layer_norm(x, scale.to(dtype), shift.to(dtype), eps, one_plus_scale=True)
     if per_sample and weight is None and bias is None:
         return ada_layer_norm(x, scale.to(dtype), shift.to(dtype), eps, one_plus_scale=True)
     # fold in fp32 (or fp64): [B, D] or [D] elements, each folded value rounded once to x's
@@ -262,6 +267,48 @@ def _sana_modulated_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
     return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
 
 
+def _sana_video_modulated_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                               scale_shift_table: torch.Tensor) -> torch.Tensor:
+    """diffusers' Sana-Video ``SanaModulatedNorm.forward`` (its output norm) on cudnorm: shift and
+    scale ``scale_shift_table [2, D] + temb [B, T, D]`` (a row per token, or ``T = 1`` per sample)
+    modulate the LayerNorm of ``hidden_states [B, S, D]`` in one :func:`cudnorm.ada_layer_norm`
+    call."""
+    _input("SanaModulatedNorm", "hidden_states", hidden_states)
+    shift, scale = (scale_shift_table[None, None] + temb[:, :, None].to(scale_shift_table.device)).unbind(dim=2)
+    norm = self.norm
+    return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+def _flux3_adaln(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``Flux3AdaLayerNorm.forward`` (FLUX.3's output norm) on cudnorm: ``(scale, shift) =
+    linear(silu(temb))`` per token (``temb [B, S, C]``), then one :func:`cudnorm.ada_layer_norm`
+    call modulating the LayerNorm of ``hidden_states [B, S, D]``."""
+    cls = "Flux3AdaLayerNorm"
+    _input(cls, "hidden_states", hidden_states)
+    scale, shift = self.linear(self.act_fn(_input(cls, "temb", temb))).chunk(2, dim=-1)
+    norm = self.norm
+    return _modulated_layer_norm(hidden_states, scale, shift, norm.eps, norm.weight, norm.bias)
+
+
+def _helios_output_norm(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                        original_context_length: int) -> torch.Tensor:
+    """diffusers' ``HeliosOutputNorm.forward`` on cudnorm: the last ``original_context_length``
+    tokens, shift and scale ``scale_shift_table [1, 2, D] + temb`` per token, diffusers' fp32
+    LayerNorm and modulation as one :func:`cudnorm.ada_layer_norm` call (computed in fp32,
+    rounded once to the input's dtype, as diffusers' ``.type_as`` does). A modulation of
+    neither the input's dtype nor fp32 runs diffusers' own forward."""
+    cls = "HeliosOutputNorm"
+    _input(cls, "hidden_states", hidden_states)
+    rows = _input(cls, "temb", temb)[:, -original_context_length:, :]
+    shift, scale = (self.scale_shift_table.unsqueeze(0).to(rows.device) + rows.unsqueeze(2)).chunk(2, dim=2)
+    shift, scale = shift.squeeze(2).to(hidden_states.device), scale.squeeze(2).to(hidden_states.device)
+    x = hidden_states[:, -original_context_length:, :]
+    if (scale.dtype not in (x.dtype, torch.float32) or shift.dtype is not scale.dtype or scale.shape != x.shape
+            or x.dtype is torch.float64):
+        return type(self)._cudnorm_unpatched.forward(self, hidden_states, temb, original_context_length)
+    return ada_layer_norm(x, scale, shift, self.norm.eps, one_plus_scale=True)
+
+
 def _modulate_any(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]`` for ``[B, D]`` chunks and a LayerNorm
     (one fused op: :func:`_modulate`) or diffusers' RMSNorm (:func:`_modulated_rms_norm`)."""
@@ -365,14 +412,16 @@ def _qwenimage21_adaln_continuous(self, hidden_states: torch.Tensor, conditionin
 def _audio_dit_adaln_zero_final(self, hidden_states: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
     """diffusers' ``AudioDiTAdaLayerNormZeroFinal.forward`` (LongCat-AudioDiT's output norm) on
     cudnorm: ``norm(x) * (1 + scale) + shift`` from ``linear(silu(embedding))``; a per-sample
-    ``[B, C]`` embedding is one :func:`ada_layer_norm` call (computed in fp32, rounded once), a
-    per-token one runs the formula with the norm on cudnorm."""
+    ``[B, C]`` embedding is one :func:`ada_layer_norm` call (computed in fp32, rounded once), as
+    is a per-token one of a non-affine norm; any other runs the formula with the norm on cudnorm."""
     cls = "AudioDiTAdaLayerNormZeroFinal"
     _input(cls, "hidden_states", hidden_states)
     scale, shift = self.linear(self.silu(_input(cls, "embedding", embedding))).chunk(2, dim=-1)
     if scale.ndim == 2:
         return _modulate(self.norm, hidden_states, scale, shift)
     norm = self.norm
+    if norm.weight is None and norm.bias is None and scale.shape == hidden_states.shape:
+        return _modulated_layer_norm(hidden_states, scale, shift, norm.eps)
     y = layer_norm(hidden_states.float(), hidden_states.shape[-1], norm.weight, norm.bias, norm.eps)
     return y.type_as(hidden_states) * (1 + scale) + shift
 

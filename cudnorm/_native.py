@@ -567,9 +567,9 @@ def _resolve_kernel_forward(x: torch.Tensor, ints, floats) -> list[int]:
 
 
 def _resolve_kernel_backward(x: torch.Tensor, ints, floats) -> list[int]:
-    rms, weight_code, has_bias = ints
-    kernel = _norm_kernel.native_launch(x, bool(rms), True, _DTYPES.get(weight_code),
-                                        torch.float32 if has_bias else None, backward=True)
+    rms, weight_code, bias_code = ints
+    kernel = _norm_kernel.native_launch(x, bool(rms), True, _DTYPES.get(weight_code), _DTYPES.get(bias_code),
+                                        backward=True)
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
 
 

@@ -12,8 +12,11 @@ kernels beside cuDNN's plans and PyTorch's ops per call signature; they serve an
   half-precision values (176 bytes, 16-byte aligned) still load in 16-byte vectors;
 * the backward runs a fixed number of programs (a few per SM), each looping over tiles
   ``programs`` apart; each keeps its running ``sum(dy * xhat)`` and ``sum(dy)`` as a fp32 tile
-  in registers and writes one partial row at the end, so the weight gradient costs one
-  ``[programs, N]`` fp32 sum, in a fixed order: deterministic, no atomics.
+  in registers and writes one partial column at the end; a second launch sums the
+  ``[N, programs]`` fp32 partials in a fixed order and writes dweight and dbias in their dtypes:
+  deterministic, no atomics. (PyTorch's sum of ``[programs, N]`` partial rows over its first dim,
+  then a cast, cost 10-14 us more than the kernel alone on an H200, a sixth of a narrow
+  backward.)
 
 Math, all in fp32 with ``y``/``dx`` rounded once to x's dtype (a fp32 weight is used as is):
 
@@ -107,13 +110,16 @@ def _kernels():
     # row and tile counts are not specialised: their "% 16" or "== 1" variants change nothing.
     # The tile loops are while loops: Triton's interpreter (3.6, with NumPy 2) cannot take a
     # runtime bound in range()
-    # MODULATED: weight and bias are per-sample [B, COLS] rows (adaptive RMSNorm's scale and
-    # shift), row r of x taking row r // seq of them, the gain 1 + scale where ONE_PLUS
+    # MODULATED: weight and bias are rows of COLS values, W_STRIDE and B_STRIDE apart (the
+    # scale and shift of an adaptive norm: per sample, or per token with seq 1, read in place
+    # from a chunk of a Linear's output), row r of x taking row r // seq of them, the gain
+    # 1 + scale where ONE_PLUS
     @triton.jit(do_not_specialize=["rows", "tiles", "seq"])
     def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, rows, tiles, eps, seq,
                      COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr,
-                     MODULATED: tl.constexpr, ONE_PLUS: tl.constexpr):
+                     MODULATED: tl.constexpr, ONE_PLUS: tl.constexpr, W_STRIDE: tl.constexpr,
+                     B_STRIDE: tl.constexpr):
         program = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
@@ -139,13 +145,13 @@ def _kernels():
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / COLS + eps)
             y = xc * rstd[:, None]
             if MODULATED:  # a tile may hold rows of two samples: each row reads its own sample's
-                at = ((first + local) // seq)[:, None] * COLS + cols[None, :]
-                gain = tl.load(w_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                source = ((first + local) // seq)[:, None]
+                gain = tl.load(w_ptr + source * W_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 if ONE_PLUS:
                     gain = gain + 1.0
                 y = y * gain
                 if HAS_B:
-                    y = y + tl.load(b_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                    y = y + tl.load(b_ptr + source * B_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
                 if HAS_W:
                     y = y * w[None, :]
@@ -204,13 +210,40 @@ def _kernels():
             if HAS_DB:
                 sum_dy += dy
             tile += programs
-        out = program.to(tl.int64) * COLS + cols
+        out = cols.to(tl.int64) * programs + program  # column-major: [COLS, programs]
         if HAS_W:
             tl.store(dw_partial_ptr + out, tl.sum(sum_dy_xhat, axis=0), mask=in_row)
         if HAS_DB:
             tl.store(db_partial_ptr + out, tl.sum(sum_dy, axis=0), mask=in_row)
 
-    return norm_forward, norm_backward
+    # the parameter gradients' second stage: a program sums BLOCK_C columns of the backward's
+    # [COLS, programs] partials over every program (a fixed order: deterministic) and writes
+    # them in the parameters' dtypes, dweight and dbias in one launch
+    @triton.jit(do_not_specialize=["programs"])
+    def norm_backward_finish(dw_partial_ptr, db_partial_ptr, dw_ptr, db_ptr, programs,
+                             COLS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+                             HAS_W: tl.constexpr, HAS_DB: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_cols = cols < COLS
+        local = tl.arange(0, BLOCK_P)
+        rows = cols.to(tl.int64)[:, None] * programs
+        sum_w = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        sum_b = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        start = 0
+        while start < programs:
+            at = rows + (start + local)[None, :]
+            mask = in_cols[:, None] & (start + local < programs)[None, :]
+            if HAS_W:
+                sum_w += tl.load(dw_partial_ptr + at, mask=mask, other=0.0)
+            if HAS_DB:
+                sum_b += tl.load(db_partial_ptr + at, mask=mask, other=0.0)
+            start += BLOCK_P
+        if HAS_W:
+            tl.store(dw_ptr + cols, tl.sum(sum_w, axis=1).to(dw_ptr.dtype.element_ty), mask=in_cols)
+        if HAS_DB:
+            tl.store(db_ptr + cols, tl.sum(sum_b, axis=1).to(db_ptr.dtype.element_ty), mask=in_cols)
+
+    return norm_forward, norm_backward, norm_backward_finish
 
 
 @functools.cache
@@ -246,12 +279,29 @@ def _grid(x: torch.Tensor, config: Config) -> tuple[int, int]:
     return min(tiles, sm_count * config.programs_per_sm), tiles
 
 
+# the finishing sum's tile: up to this many partials of a column at once, BLOCK_C columns a program
+_FINISH_TILE = 4096
+_FINISH_MAX_PARTIALS = 1024
+
+
+def _finish_shape(programs: int, cols: int) -> tuple[int, int, int]:
+    """``(BLOCK_P, BLOCK_C, grid)`` of the finishing sum over ``programs`` partials of ``cols`` columns."""
+    block_p = min(_FINISH_MAX_PARTIALS, _pow2(programs))
+    block_c = min(_pow2(cols), max(1, _FINISH_TILE // block_p))
+    return block_p, block_c, -(-cols // block_c)
+
+
 def _launch(kernel, x: torch.Tensor, programs: int, args: tuple, meta: dict) -> None:
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # Triton launches on the current device's stream
             kernel[(programs,)](*args, **meta)
     else:
         kernel[(programs,)](*args, **meta)
+
+
+def _row_stride(t: torch.Tensor | None, seq: int, cols: int) -> int:
+    """A modulation's row stride (compiled in: a model has one or two), ``cols`` where unused."""
+    return cols if t is None or seq == 0 or t.shape[0] == 1 else t.stride(0)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool,
@@ -263,8 +313,9 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     dtype. ``stats`` (only when ``training``, else ``None``): fp32, LayerNorm ``[2, M]`` (mean
     in row 0, rstd in row 1), RMSNorm ``[1, M]`` (rstd). ``config`` overrides :func:`_config`.
 
-    ``seq > 0`` modulates per sample (adaptive RMSNorm): ``weight`` (the scale, required) and
-    ``bias`` (the shift, or ``None``) are ``[M // seq, N]``, row ``r`` of x takes their row
+    ``seq > 0`` modulates (adaptive norms): ``weight`` (the scale, required) and ``bias`` (the
+    shift, or ``None``) are ``[M // seq, N]`` with unit column stride and any row stride (per
+    sample: ``seq`` rows of a sample; per token: ``seq = 1``), row ``r`` of x takes their row
     ``r // seq``, and the gain is ``1 + weight`` (summed in fp32) where ``one_plus``."""
     rows, cols = x.shape
     y = torch.empty_like(x)
@@ -274,11 +325,16 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     config = config or _config(cols, x.dtype, rows)
     programs, tiles = _grid(x, config)
     mean, rstd = (stats[0], stats[-1]) if training else (y, y)  # unused pointers when not training
-    args = (x, x if weight is None else weight.contiguous(), x if bias is None else bias.contiguous(), y,
-            mean, rstd, rows, tiles, eps, max(seq, 1))
+    if seq > 0:  # modulation rows read in place: any row stride, unit column stride
+        weight, bias = (None if t is None else t if t.stride(-1) == 1 else t.contiguous() for t in (weight, bias))
+    else:
+        weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
+    args = (x, x if weight is None else weight, x if bias is None else bias, y, mean, rstd, rows, tiles, eps,
+            max(seq, 1))
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": weight is not None, "HAS_B": bias is not None, "STATS": training,
-            "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps}
+            "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps,
+            "W_STRIDE": _row_stride(weight, seq, cols), "B_STRIDE": _row_stride(bias, seq, cols)}
     _launch(_kernels()[0], x, programs, args, meta)
     return y, stats
 
@@ -302,16 +358,21 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, sta
         return dx, zeros(dtype=weight.dtype) if has_w else None, zeros(dtype=bias_dtype) if has_db else None
     config = config or _config(cols, x.dtype, rows, backward=True)
     programs, tiles = _grid(x, config)
-    partial = torch.empty((has_w + has_db, programs, cols), dtype=_F32, device=x.device)
+    partial = torch.empty((has_w + has_db, cols, programs), dtype=_F32, device=x.device)
     dw_partial, db_partial = (partial[0], partial[-1]) if has_w or has_db else (dx, dx)
     args = (x, dy, x if weight is None else weight.contiguous(), stats[0], stats[-1], dx, dw_partial, db_partial,
             rows, tiles)
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": has_w, "HAS_DB": has_db, "num_warps": config.num_warps}
     _launch(_kernels()[1], x, programs, args, meta)
-    sums = partial.sum(1)  # [has_w + has_db, N]: a fixed-order reduction, deterministic
-    dw = sums[0].to(weight.dtype) if has_w else None
-    db = sums[-1].to(bias_dtype) if has_db else None
+    if not (has_w or has_db):
+        return dx, None, None
+    dw = torch.empty(cols, dtype=weight.dtype, device=x.device) if has_w else None
+    db = torch.empty(cols, dtype=bias_dtype, device=x.device) if has_db else None
+    block_p, block_c, grid = _finish_shape(programs, cols)
+    _launch(_kernels()[2], x, grid, (dw_partial, db_partial, dx if dw is None else dw, dx if db is None else db,
+                                     programs),
+            {"COLS": cols, "BLOCK_C": block_c, "BLOCK_P": block_p, "HAS_W": has_w, "HAS_DB": has_db, "num_warps": 4})
     return dx, dw, db
 
 
@@ -349,14 +410,17 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 # the compiled kernels' parameters C++ fills, in order: pointers, then 32-bit scalars
 # forward: x, weight, bias, y, mean, rstd; rows, tiles, eps (fp32), seq
 # backward: x, dy, weight, mean, rstd, dx, dweight partial, dbias partial; rows, tiles
+# the backward's finishing sum: dweight partial, dbias partial, dweight, dbias; programs
 _NATIVE_PARAMETERS = {False: 6 * ["*"] + ["i32", "i32", "fp32", "i32"], True: 8 * ["*"] + ["i32", "i32"]}
+_NATIVE_FINISH_PARAMETERS = 4 * ["*"] + ["i32"]
 
 def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torch.dtype | None,
                   bias_dtype: torch.dtype | None, backward: bool = False
                   ) -> tuple[int, int, int, int, int, int, int] | None:
     """``(CUfunction, threads, shared bytes, 0, scratch parameters, programs, tiles)``: the
     compiled kernel serving ``x: [M, N]`` (a packed CUDA or meta tensor) forward (``training``:
-    writing statistics) or ``backward``, for cudnorm's native path to launch through the CUDA
+    writing statistics) or ``backward`` (followed by the same seven of its finishing sum, grid
+    in ``programs``, all zero without a weight or bias), for cudnorm's native path to launch through the CUDA
     driver (csrc/kernel.cpp) with the launch shape :func:`_config` gives; the 0 is the AdaLN
     kernel's per-sample chunk count, unused here. Compiled for 16-byte aligned pointers (C++
     checks each call) and the call's width, weight and bias dtypes. ``None`` where the compiled
@@ -384,7 +448,8 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     else:
         stats = _F32 if training else x.dtype  # not training: y's pointer stands for the statistics
         dtypes = (x.dtype, wdtype, bias_dtype or x.dtype, x.dtype, stats, stats)
-        meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=False, ONE_PLUS=False)
+        meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=False, ONE_PLUS=False, W_STRIDE=cols,
+                    B_STRIDE=cols)
         scalars = (rows, tiles, 1e-5, 1)
     with torch.cuda.device(device):
         compiled = _kernels()[backward].warmup(*dtypes, *scalars, grid=(1,), **meta)
@@ -393,4 +458,19 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     if launch is None:
         return None
     function, threads, shared, scratch = launch
-    return function, threads, shared, 0, scratch, programs, tiles
+    main = (function, threads, shared, 0, scratch, programs, tiles)
+    if not backward:
+        return main
+    if weight_dtype is None and bias_dtype is None:
+        return main + 7 * (0,)
+    block_p, block_c, grid = _finish_shape(programs, cols)
+    with torch.cuda.device(device):
+        compiled = _kernels()[2].warmup(_F32, _F32, weight_dtype or _F32, bias_dtype or _F32, programs, grid=(1,),
+                                        COLS=cols, BLOCK_C=block_c, BLOCK_P=block_p, HAS_W=weight_dtype is not None,
+                                        HAS_DB=bias_dtype is not None, num_warps=4)
+        compiled.run  # noqa: B018 - loads the module: sets compiled.function
+    finish = _triton_launch.handle(compiled, _NATIVE_FINISH_PARAMETERS)
+    if finish is None:
+        return None
+    function, threads, shared, scratch = finish
+    return main + (function, threads, shared, 0, scratch, grid, 0)

@@ -147,6 +147,10 @@ CLASSES = {
     # GLM-Image's two classes have CogView4's bodies (constructor and forward)
     "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",
                             "diffusers.models.transformers.transformer_glm_image.GlmImageAdaLayerNormZero"),
+    # modulated per token: FLUX.3's, Helios' and Sana-Video's output norms
+    "sana_video_modulated_norm": ("diffusers.models.transformers.transformer_sana_video.SanaModulatedNorm",),
+    "flux3_adaln": ("diffusers.models.transformers.transformer_flux3.Flux3AdaLayerNorm",),
+    "helios_output_norm": ("diffusers.models.transformers.transformer_helios.HeliosOutputNorm",),
     "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",
                                   "diffusers.models.transformers.transformer_glm_image.GlmImageAdaLayerNormContinuous"),
 }
@@ -164,6 +168,10 @@ ANCHORS = {
         "diffusers.pipelines.kolors.text_encoder.RMSNorm", f"{_NORMALIZATION}.MochiRMSNorm"),
     "t5_rms_norm": _transformers("t5.T5LayerNorm") + (f"{_NORMALIZATION}.RMSNorm",),
     "cogview4_adaln_zero": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormZero",),
+    # modulated per token: FLUX.3's, Helios' and Sana-Video's output norms
+    "sana_video_modulated_norm": ("diffusers.models.transformers.transformer_sana_video.SanaModulatedNorm",),
+    "flux3_adaln": ("diffusers.models.transformers.transformer_flux3.Flux3AdaLayerNorm",),
+    "helios_output_norm": ("diffusers.models.transformers.transformer_helios.HeliosOutputNorm",),
     "cogview4_adaln_continuous": ("diffusers.models.transformers.transformer_cogview4.CogView4AdaLayerNormContinuous",),
 }
 
@@ -202,19 +210,11 @@ LEFT = {
         "diffusers.models.transformers.transformer_ltx2.LTX2AdaLayerNormSingle",
         "diffusers.models.transformers.transformer_sana_wm_refiner.SanaWMLTX2AdaLayerNormSingle"), (
         "normalises nothing: LTX-2's timestep embedding and modulation linear, as PixArt's AdaLayerNormSingle")),
-    **dict.fromkeys((
-        "diffusers.models.transformers.transformer_flux3.Flux3AdaLayerNorm",
-        "diffusers.models.transformers.transformer_helios.HeliosOutputNorm"), (
-        "a modulation per token (temb [B, S, D]), which cudnorm's AdaLN (per sample) does not take; its "
-        "LayerNorm (norm) is swapped")),
-    "diffusers.models.transformers.transformer_sana_video.SanaModulatedNorm": (
-        "a modulation per timestep row (temb [B, T, D]: Sana-Video's per-frame timesteps), which cudnorm's AdaLN "
-        "(per sample) does not take; its LayerNorm (norm) is swapped"),
     "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormModulation": (
         "normalises nothing: MiniMax-H3's block modulation projection (its blocks' norms are swapped)"),
     "diffusers.models.transformers.transformer_minimax_h3.MiniMaxH3AdaLayerNormOut": (
-        "a modulation per row of the packed sequence (index_select by timestep), which cudnorm's AdaLN (per "
-        "sample) does not take; its RMSNorm (norm) is swapped"),
+        "an affine RMSNorm modulated per row of the packed sequence (index_select by timestep): cudnorm's "
+        "per-token adaptive RMSNorm has no weight; its RMSNorm (norm) is swapped"),
     "diffusers.models.transformers.transformer_rfd4_proteina.RFD4ProteinaAdaptiveNorm": (
         "a sigmoid gain, a shift and a mask after the norm, from a normalised condition; its norms are swapped"),
     "diffusers.models.transformers.transformer_mochi.MochiLayerNormContinuous": (

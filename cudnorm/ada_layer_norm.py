@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _ada_strategies as strategies
-from . import _cache, _call_plans, _candidates, _checks, _decisions, _dispatch, _entry, _norm, _ops, _policy, _runtime
+from . import (_cache, _call_plans, _candidates, _checks, _decisions, _dispatch, _entry, _norm, _ops, _policy, _runtime,
+               _token_entry)
 
 _OP = "ada_layer_norm"
 _F32 = torch.float32
@@ -277,13 +278,15 @@ def _check_call(input, scale, shift, eps, one_plus_scale) -> float:
 
 def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
                    one_plus_scale: bool = False) -> torch.Tensor:
-    """Adaptive LayerNorm: a non-affine LayerNorm over the last dim, modulated per sample.
+    """Adaptive LayerNorm: a non-affine LayerNorm over the last dim, modulated per sample or per token.
 
     Args:
         input: ``[B, *, D]`` (e.g. ``[B, S, D]`` tokens), float16/bfloat16/float32.
         scale: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype`` (bf16/fp16 with a
             float32 input are promoted to float32, as PyTorch's formula does); broadcast over
-            the tokens of each sample.
+            the tokens of each sample. Or per token (FLUX.3, Helios): the input's shape,
+            float32 or ``input.dtype``, a chunk of a Linear's output read in place
+            (:mod:`cudnorm._token_ada`; its gradients are per token, nothing summed).
         shift: like ``scale``.
         eps: added to the variance (DiT/PixArt/SD3/Flux use 1e-6).
         one_plus_scale: ``True`` computes DiT's ``modulate``: ``norm(x) * (1 + scale) + shift``;
@@ -298,6 +301,8 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         ``policy="auto"`` a larger eager call runs whichever of the formula in PyTorch's ops and
         cuDNN's AdaLN measured faster for its signature (:mod:`cudnorm._policy`, rule 4).
     """
+    if _token_entry.is_per_token(input, scale):  # a modulation per token: its own kernels and formula
+        return _token_entry.call(_OP, input, scale, shift, eps, one_plus_scale, rms=False)
     # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
     # implementation, which the C++ entry would hand it back to through the dispatcher
     if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ada_rms, _checks, _decisions, _entry, _ops, _policy
+from . import _ada_rms, _checks, _decisions, _entry, _ops, _policy, _token_entry
 
 _OP = "ada_rms_norm"
 _F32 = torch.float32
@@ -44,7 +44,7 @@ def _check_call(input, scale, shift, eps, one_plus_scale) -> float:
 
 def ada_rms_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None = None, eps: float = 1e-6, *,
                  one_plus_scale: bool = True) -> torch.Tensor:
-    """Adaptive RMSNorm: a non-affine RMSNorm over the last dim, modulated per sample.
+    """Adaptive RMSNorm: a non-affine RMSNorm over the last dim, modulated per sample or per token.
 
     ``y = x / sqrt(mean(x^2) + eps) * gain[b] + shift[b]`` for each token ``x`` of sample ``b``,
     computed in fp32 and rounded once to ``input.dtype``.
@@ -53,7 +53,8 @@ def ada_rms_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor |
         input: ``[B, *, D]`` (e.g. ``[B, S, D]`` tokens), float16/bfloat16/float32 (float64
             runs PyTorch's ops).
         scale: ``[B, D]`` or ``[B, 1, D]``, float32 or ``input.dtype``; broadcast over the
-            tokens of each sample.
+            tokens of each sample. Or per token: the input's shape (a chunk of a Linear's
+            output is read in place; its gradients are per token, nothing summed).
         shift: like ``scale``, or ``None`` (no shift, as diffusers' ``*RMSNormZero``).
         eps: added to the mean square.
         one_plus_scale: ``True`` (the default, DiT's ``modulate``): ``gain = 1 + scale``, summed
@@ -66,6 +67,8 @@ def ada_rms_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor |
         calls run PyTorch's ops; an eager CUDA call runs PyTorch's ops or cudnorm's Triton
         kernel, whichever measured faster for its signature (:mod:`cudnorm._policy`).
     """
+    if _token_entry.is_per_token(input, scale):  # a modulation per token: its own kernels and formula
+        return _token_entry.call(_OP, input, scale, shift, eps, one_plus_scale, rms=True)
     if _entry.is_compiling():  # a mistake raises cudnorm's error when the compiled code runs
         error = _checks.traced_error(_check_call, input, input, scale, shift, eps, one_plus_scale)
         if error is not None:

@@ -51,7 +51,8 @@ from ._diffusers_forwards import (_ada_layer_norm_shift, _audio_dit_adaln_zero_f
                                   _choice, _eps, _fail, _flag, _input, _int, _lumina_layer_norm_continuous,
                                   _lumina_rms_norm_zero, _mochi_modulated_rms_norm, _mochi_rms_norm_zero, _modulate,
                                   _modulated_layer_norm, _modulated_rms_norm, _project,
-                                  _qwenimage21_adaln_continuous, _sana_modulated_norm, _tensor)
+                                  _qwenimage21_adaln_continuous, _sana_modulated_norm, _tensor,
+                                  _sana_video_modulated_norm, _flux3_adaln, _helios_output_norm)
 from ._patch_table import qualified_name
 from .modules import LayerNorm, RMSNorm
 
@@ -395,6 +396,13 @@ FUSED = {
     f"{_COGVIEW4}.CogView4AdaLayerNormContinuous": Fused(_cogview4_adaln_continuous, frozenset(("norm", "linear")),
                                                          ("layer_norm", "rms_norm")),
     f"{_MOCHI}.MochiModulatedRMSNorm": Fused(_mochi_modulated_rms_norm, frozenset(("norm",)), ("rms_norm",)),
+    # modulated per token (cudnorm.ada_layer_norm's per-token kernels)
+    "diffusers.models.transformers.transformer_sana_video.SanaModulatedNorm": Fused(_sana_video_modulated_norm,
+                                                                                   frozenset(("norm",))),
+    "diffusers.models.transformers.transformer_flux3.Flux3AdaLayerNorm": Fused(
+        _flux3_adaln, frozenset(("act_fn", "linear", "norm"))),
+    "diffusers.models.transformers.transformer_helios.HeliosOutputNorm": Fused(_helios_output_norm,
+                                                                              frozenset(("norm",))),
 }
 # the classes of this file, by the name of the diffusers class each mirrors
 _MIRRORS = {cls.__name__: cls for cls in (AdaLayerNorm, AdaLayerNormContinuous, AdaLayerNormZero,

@@ -20,12 +20,14 @@ LAYERS = [
     ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_triton_launch", "_version", "_warn",
      "reference"),  # no package imports
     ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
-    ("_ada_rms", "_gated", "_settings"),  # adaptive RMSNorm's formula and kernels; the gated residual's
+    ("_ada_rms", "_gated", "_settings", "_token_ada"),  # adaptive RMSNorm's formula and kernels; the gated
+    # residual's; the per-token modulated norms' formula and kernels
     ("_candidates", "_policy", "_recording", "_runtime"),  # _candidates: the kernels a call may run
     ("_checks", "_graphs"),  # argument checks; graph IR, build and launch
     ("_dispatch", "_plan_store"),  # a call's spec and buffers; plans on disk
     ("_cache", "_decisions"),  # the plan of a spec: memory LRU -> plan store -> build; measured decisions
-    ("_rows",),  # row counts: exact plans or chunks
+    ("_rows", "_token_entry"),  # row counts: exact plans or chunks; a per-token modulated norm's checks and
+    # measured decision
     ("_call_plans",),  # a call's plan, memoised by its signature
     ("_ada_strategies", "_norm"),  # AdaLN strategies; LayerNorm/RMSNorm implementation
     ("_fused_add",),  # with a residual add

@@ -139,7 +139,7 @@ def test_kernel_recipes_carry_the_compiled_launch(resolve, monkeypatch, launch):
     monkeypatch.setattr(_native._norm_kernel, "native_launch", native_launch)
     x = torch.randn(1 << 14, 96, dtype=BF16)
     forward = resolve("kernel_fwd", x, [0, 1, _code(torch.float32), _code(BF16)], [])
-    backward = resolve("kernel_bwd", x, [1, -1, 0], [])
+    backward = resolve("kernel_bwd", x, [1, -1, -1], [])
     for recipe in (forward, backward):
         assert recipe["mode"] == (_native.KERNEL if launch else _native.PYTHON)
         assert recipe["kernel"] == (launch or ())

@@ -125,6 +125,26 @@ _CASES = [
 ]
 
 
+def _check_finish(programs, cols, has_w, has_db):
+    """The parameter gradients' finishing sum over ``programs`` partial columns (more than one of
+    its tiles where ``programs`` > 1024): fp32 sums, rounded once to each parameter's dtype."""
+    partial = torch.randn(2, cols, programs)
+    dw = torch.empty(cols, dtype=BF16) if has_w else None
+    db = torch.empty(cols, dtype=F32) if has_db else None
+    block_p, block_c, grid = nk._finish_shape(programs, cols)
+    assert block_p <= nk._FINISH_MAX_PARTIALS and grid * block_c >= cols
+    placeholder = partial[0, 0]
+    nk._launch(nk._kernels()[2], partial, grid, (partial[0], partial[1], placeholder if dw is None else dw,
+                                                  placeholder if db is None else db, programs),
+               {"COLS": cols, "BLOCK_C": block_c, "BLOCK_P": block_p, "HAS_W": has_w, "HAS_DB": has_db,
+                "num_warps": 4})
+    want = partial.double().sum(2)
+    if has_w:  # one bf16 rounding (Triton's interpreter truncates where a GPU rounds to nearest)
+        assert ((dw.double() - want[0]).abs() <= 2.0**-7 * want[0].abs() + 1e-6).all(), (programs, cols)
+    if has_db:
+        assert (db.double() - want[1]).abs().max() < 1e-4, (programs, cols)
+
+
 def _check_interpreted():
     """Runs in a child process started with ``TRITON_INTERPRET=1`` (Triton reads it when
     imported, so the test process, whose Triton may already run on a GPU, cannot switch)."""
@@ -132,6 +152,8 @@ def _check_interpreted():
     for case in _CASES:
         *shape, config = case
         _check(*shape, config=config)
+    for programs, cols, has_w, has_db in ((1, 8, True, True), (1500, 88, True, False), (2100, 5, False, True)):
+        _check_finish(programs, cols, has_w, has_db)
     print("interpreted cases ok")
 
 

@@ -173,7 +173,7 @@ def test_fused_block_runs_no_more_python_than_the_patched_one(family):
                                   "ChronoEditTransformer3DModel", "HunyuanVideoTransformer3DModel",
                                   "HunyuanVideo15Transformer3DModel", "HunyuanVideoFramepackTransformer3DModel",
                                   "CogView4Transformer2DModel", "SkyReelsV2Transformer3DModel",
-                                  "HunyuanImageTransformer2DModel"])
+                                  "HunyuanImageTransformer2DModel", "Flux3Transformer2DModel"])
 def test_fused_blocks_of_diffusers_all_toy_models_match(name, monkeypatch):
     """The block classes added after the four families, on ``diffusers-all``'s toy models (fp32,
     CPU): each model's block is swapped for its fused forward, which fuses its modulated norms,

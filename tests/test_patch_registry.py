@@ -253,6 +253,18 @@ def _adaln_cases():
                                 lambda dtype: ((x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
     cases["audio-dit-final-per-token"] = (lambda: audio.AudioDiTAdaLayerNormZeroFinal(d),
                                           lambda dtype: ((x(2, 5, d)(dtype), x(2, 5, d)(dtype)), {}))
+    # modulated per token (cudnorm.ada_layer_norm's per-token path)
+    sana_video = importlib.import_module("diffusers.models.transformers.transformer_sana_video")
+    cases["sana-video-per-token"] = (lambda: sana_video.SanaModulatedNorm(d),
+                                     lambda dtype: ((x(2, 5, d)(dtype), x(2, 5, d)(dtype), x(2, d)(dtype)), {}))
+    cases["sana-video-per-sample"] = (lambda: sana_video.SanaModulatedNorm(d),
+                                      lambda dtype: ((x(2, 5, d)(dtype), x(2, 1, d)(dtype), x(2, d)(dtype)), {}))
+    flux3 = importlib.import_module("diffusers.models.transformers.transformer_flux3")
+    cases["flux3-output"] = (lambda: flux3.Flux3AdaLayerNorm(d),
+                             lambda dtype: ((x(2, 5, d)(dtype), x(2, 5, d)(dtype)), {}))
+    helios = importlib.import_module("diffusers.models.transformers.transformer_helios")
+    cases["helios-output"] = (lambda: helios.HeliosOutputNorm(d),
+                              lambda dtype: ((x(2, 7, d)(dtype), x(2, 7, d)(dtype), 5), {}))
     cases["cogview3plus-zero"] = (lambda: normalization.CogView3PlusAdaLayerNormZeroTextImage(c, d),
                                   lambda dtype: ((x(2, 5, d)(dtype), x(2, 3, d)(dtype), x(2, c)(dtype)), {}))
     cosmos = importlib.import_module("diffusers.models.transformers.transformer_cosmos")
@@ -299,7 +311,8 @@ ADALN_CASES = ["zero", "zero-dit", "zero-fp32-ln-no-bias", "zero-single", "sd35-
                "cogview4-continuous", "cosmos", "cosmos-per-token", "cosmos-zero",
                "cogview3plus-zero", "glm-image-zero", "glm-image-continuous",
                "qwen-image21-continuous", "qwen-image21-continuous-mask",
-               "audio-dit-final", "audio-dit-final-per-token"]
+               "audio-dit-final", "audio-dit-final-per-token", "sana-video-per-token", "sana-video-per-sample",
+               "flux3-output", "helios-output"]
 
 
 @pytest.mark.parametrize("case", ADALN_CASES)

@@ -94,6 +94,7 @@ struct Recipe {
   int64_t overlap = 0;                      // Chunked: rows of launches[0] that later launches rewrite
   std::vector<Launch> launches;
   KernelLaunch kernel;                      // Kernel
+  KernelLaunch finish;                      // Kernel, a norm backward's: the parameter gradients' sum (or none)
 };
 using RecipeRef = std::shared_ptr<const Recipe>;
 

@@ -89,7 +89,9 @@ RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   recipe->fused_add = ints[3] != 0;
   recipe->overlap = ints[4];
   int64_t count = ints[5];
-  const int64_t extra = recipe->mode == Mode::Kernel ? 7 : 0;
+  // a Kernel recipe: its kernel's launch (7 ints), and a norm backward's finishing sum (7 more)
+  const int64_t extra = recipe->mode == Mode::Kernel ? static_cast<int64_t>(ints.size()) - 6 - 3 * count : 0;
+  TORCH_CHECK(extra == 0 || extra == 7 || extra == 14, "cudnorm: malformed recipe from Python");
   TORCH_CHECK(static_cast<int64_t>(ints.size()) == 6 + 3 * count + extra, "cudnorm: malformed recipe from Python");
   for (int64_t k = 0; k < count; ++k) {
     Launch launch;
@@ -101,6 +103,7 @@ RecipeRef parse(const std::vector<int64_t>& ints, bool* cacheable) {
   if (extra) {
     const int64_t* k = ints.data() + 6 + 3 * count;
     recipe->kernel = KernelLaunch{k[0], k[1], k[2], k[3], k[4], k[5], k[6]};
+    if (extra == 14) recipe->finish = KernelLaunch{k[7], k[8], k[9], k[10], k[11], k[12], k[13]};
   }
   return recipe;
 }
