@@ -280,6 +280,8 @@ def _grid(x: torch.Tensor, config: Config) -> tuple[int, int]:
 
 
 # the finishing sum's tile: up to this many partials of a column at once, BLOCK_C columns a program
+# (a first choice, not timed against other shapes: the whole backward with it is what the narrow
+# sweep measured, docs/performance.md)
 _FINISH_TILE = 4096
 _FINISH_MAX_PARTIALS = 1024
 
