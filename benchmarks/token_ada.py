@@ -97,6 +97,14 @@ def _error(fn, x, mod, rms) -> float:
     return max(((g.double() - w).norm() / w.norm()).item() for g, w in pairs)
 
 
+def decision_text(record: dict) -> str:
+    """A decision of :func:`cudnorm.serving_decisions` in one cell: the choice, then each
+    candidate's measured ms (GPU plus host time) and spread, so a choice can be checked."""
+    timings = "; ".join(f"{name} {ms:.3f} ms +-{100 * record.get('spread', {}).get(name, 0.0):.0f}%"
+                        for name, ms in sorted(record.get("ms", {}).items()))
+    return f"{record['serves']} ({timings})" if timings else record["serves"]
+
+
 def measure(rows: int, cols: int, rms: bool) -> list[dict]:
     torch.manual_seed(0)
     # [1, rows, D]: a 2-D [rows, D] call with [rows, D] chunks is per sample (one token each),
@@ -113,9 +121,9 @@ def measure(rows: int, cols: int, rms: bool) -> list[dict]:
             gpu, host = _time(wrap(fn), sets)
             serves = ""
             if name == "cudnorm":
-                served = [r["serves"] for r in cudnorm.serving_decisions()
+                served = [r for r in cudnorm.serving_decisions()
                           if r["signature"].startswith(f"{op}/{phase}/") and f"/n={cols}/" in r["signature"]]
-                serves = served[-1] if served else "torch (size rule)"
+                serves = decision_text(served[-1]) if served else "torch (size rule)"
             out.append({"op": op, "phase": phase, "rows": rows, "cols": cols, "provider": name,
                         "gpu_us": round(gpu, 1), "host_us": round(host, 1), "serves": serves,
                         "rel_err": f"{err:.2e}"})
