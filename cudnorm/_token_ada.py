@@ -1,6 +1,6 @@
 """Adaptive LayerNorm and RMSNorm modulated per token: PyTorch's formula and cudnorm's Triton kernels.
 
-FLUX.3's blocks and output norm, Helios' output norm and Wan 2.2 TI2V's blocks modulate every
+FLUX.3's blocks and output norm and Helios' and Sana-Video's output norms modulate every
 token by its own scale and shift (``[B, S, D]``, chunks of a per-token Linear's output), where
 DiT-style models modulate a sample's tokens alike (``[B, D]``: :mod:`cudnorm.ada_layer_norm`).
 Per token, PyTorch's formula ``norm(x) * (1 + scale) + shift`` runs four kernels forward (ten
