@@ -116,8 +116,8 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     per_sample = (scale.dim() == x.dim() >= 2 and scale.shape == shift.shape and scale.shape[0] == x.shape[0]
                   and scale.shape[-1] == d and scale.numel() == x.shape[0] * d)
     shared = scale.dim() == shift.dim() == 1 and scale.shape[0] == shift.shape[0] == d
-    per_token = (weight is None and bias is None and x.dim() >= 3 and scale.shape == shift.shape == x.shape
-                 and scale.shape[-2] != 1)
+    per_token = (not (per_sample or shared) and weight is None and bias is None and x.dim() >= 3
+                 and scale.shape == shift.shape == x.shape and scale.shape[-2] != 1)
     if not (per_sample or shared or per_token):  # any other broadcast: the formula as written
         return layer_norm(x, d, weight, bias, eps) * (1 + scale) + shift
     dtype = torch.promote_types(x.dtype, torch.promote_types(scale.dtype, shift.dtype))
