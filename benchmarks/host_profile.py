@@ -4,7 +4,11 @@ Each row is the wall time per call of 2000 back-to-back calls with one synchroni
 end, at a shape small enough that the GPU is idle most of the time, so the figure is host
 time. Layers, innermost first: the frontend's ordered execute on fixed buffers, the same with
 a freshly allocated output, ``Plan.run``, the op implementation, and the public API; torch's
-own kernel for comparison. Then the same for the backward, and a cProfile of the API calls.
+own kernel for comparison. Then the same for the backward; cudnorm's Triton kernels launched
+from Python, through Triton's launcher and through C++'s ``launch`` (the native path's), a norm
+forward alone and a per-token adaptive LayerNorm's training call beside PyTorch's formula; and
+cProfiles of the API calls and of that training call (autograd on the calling thread, so the
+profile sees its backward).
 
 Run: PYTHONPATH=. python benchmarks/host_profile.py [--out DIR]
 """
@@ -111,6 +115,46 @@ def backward_layers(rows: int, cols: int, dtype) -> dict:
     return times
 
 
+def _token_training(fn, x, mod, dy):
+    """One training call of a per-token adaptive LayerNorm ``fn`` (its forward and
+    ``autograd.grad`` to x and the modulation's Linear output ``mod``, chunked as a model does)."""
+    def call():
+        scale, shift = mod.chunk(2, dim=-1)
+        return torch.autograd.grad(fn(x, scale, shift, 1e-6, False, True), (x, mod), dy)
+    return call
+
+
+def launch_layers() -> dict:
+    """Host us per call of cudnorm's Triton kernels launched from Python, by launcher."""
+    from cudnorm import _norm_kernel, _token_ada, _triton_launch
+
+    cpp = _triton_launch.native  # set once an earlier section's call activated the native path
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    mod = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    times = {}
+    for via, launcher in (("Triton's launcher", None), ("C++ launch", cpp)):
+        if via == "C++ launch" and cpp is None:
+            continue
+        _triton_launch.native = launcher
+        try:
+            times[f"norm kernel forward, {via}"] = wall_us_per_call(
+                lambda: _norm_kernel.forward(x, w, w, 1e-5, False, True), CALLS, warmup=50)
+            times[f"per-token kernel, training, {via}"] = wall_us_per_call(
+                _token_training(_token_ada.kernel, xg, mod, dy), CALLS // 4, warmup=20)
+        finally:
+            _triton_launch.native = cpp
+    for fn in (_token_ada.kernel, _token_ada.formula):
+        kind = "kernel" if fn is _token_ada.kernel else "formula"
+        times[f"per-token {kind}, training"] = wall_us_per_call(_token_training(fn, xg, mod, dy), CALLS // 4, warmup=20)
+        with torch.autograd.set_multithreading_enabled(False):  # no hand-off to autograd's device thread
+            times[f"per-token {kind}, training, one thread"] = wall_us_per_call(
+                _token_training(fn, xg, mod, dy), CALLS // 4, warmup=20)
+    return times
+
+
 def profile(fn, calls=CALLS, top=18) -> str:
     for _ in range(50):
         fn()
@@ -139,12 +183,14 @@ def main():
             for name, us in backward_layers(*shape, wdtype).items():
                 rows.append(dict(direction="bwd", shape="x".join(map(str, shape)), weight=str(wdtype)[6:], layer=name,
                                  us_per_call=us))
+    for name, us in launch_layers().items():
+        rows.append(dict(direction="python launch", shape=f"{M}x{N}", weight="bfloat16", layer=name, us_per_call=us))
     with open(os.path.join(args.out, "host_profile.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     for r in rows:
-        print(f"{r['direction']:9s} {r['shape']:>10s} w={r['weight']:8s} {r['layer']:30s} {r['us_per_call']:8.1f} us")
+        print(f"{r['direction']:13s} {r['shape']:>10s} w={r['weight']:8s} {r['layer']:30s} {r['us_per_call']:8.1f} us")
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -152,6 +198,12 @@ def main():
     dy = torch.randn_like(x)
     _, stats = ln_mod._forward(x, w, w, 1e-5, True)
     print(profile(lambda: ln_mod._backward_impl(dy, x, w, stats)))
+    from cudnorm import _token_ada
+
+    mod = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread: in the profile
+        print(profile(_token_training(_token_ada.kernel, x.clone().requires_grad_(), mod, dy), calls=CALLS // 4,
+                      top=30))
 
 
 if __name__ == "__main__":

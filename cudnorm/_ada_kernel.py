@@ -211,14 +211,13 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
     partial = torch.empty((2, batch, chunks, cols), dtype=_F32, device=device)
     args = (x2, dy2, scale, stats, dx, partial, seq, cols, x2.stride(0), scale.stride(0),
             0 if rms else stats.stride(0), chunks, batch)
-    grid = (batch * chunks,)
     meta = {"ONE_PLUS_SCALE": one_plus_scale, "BLOCK": block, "ROWS": rows_per_program, "RMS": rms,
             "num_warps": warps}
     if x2.is_cuda and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # Triton launches on the current device's stream
-            _kernel()[grid](*args, **meta)
+        with torch.cuda.device(device):  # a launch goes to the current device's stream
+            _triton_launch.launch(_kernel(), batch * chunks, args, meta)
     else:
-        _kernel()[grid](*args, **meta)
+        _triton_launch.launch(_kernel(), batch * chunks, args, meta)
     return dx, partial[:, :, 0] if chunks == 1 else partial.sum(2)
 
 
@@ -241,8 +240,8 @@ def gated_backward(dy2: torch.Tensor, h2: torch.Tensor, batch: int, scale: torch
             seq, cols, gate.stride(0), scale.stride(0), stats.stride(0), chunks, batch)
     meta = {"ONE_PLUS_SCALE": one_plus_scale, "HAS_DH": dh2 is not None, "BLOCK": block, "ROWS": rows_per_program,
             "num_warps": warps}
-    with torch.cuda.device(device) if h2.is_cuda else contextlib.nullcontext():  # Triton's current-device stream
-        _gated_kernel()[(batch * chunks,)](*args, **meta)
+    with torch.cuda.device(device) if h2.is_cuda else contextlib.nullcontext():  # the current device's stream
+        _triton_launch.launch(_gated_kernel(), batch * chunks, args, meta)
     return dres, dbranch, partial[:, :, 0] if chunks == 1 else partial.sum(2)
 
 

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 
 from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
-               _lru, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _warn)
+               _lru, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _triton_launch, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -368,6 +368,7 @@ def _sync() -> None:
     _entry.ada_layer_norm = module.ada_layer_norm
     _entry.affine_fold = module.affine_fold
     _entry.native = serve
+    _triton_launch.native = module.launch if serve else None  # Python's kernel launches through C++
 
 
 # configuration -> its number in the C++ tables' keys. Numbers are never reused: a configuration

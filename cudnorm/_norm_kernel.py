@@ -295,10 +295,10 @@ def _finish_shape(programs: int, cols: int) -> tuple[int, int, int]:
 
 def _launch(kernel, x: torch.Tensor, programs: int, args: tuple, meta: dict) -> None:
     if x.is_cuda and x.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x.device):  # Triton launches on the current device's stream
-            kernel[(programs,)](*args, **meta)
+        with torch.cuda.device(x.device):  # a launch goes to the current device's stream
+            _triton_launch.launch(kernel, programs, args, meta)
     else:
-        kernel[(programs,)](*args, **meta)
+        _triton_launch.launch(kernel, programs, args, meta)
 
 
 def _row_stride(t: torch.Tensor | None, seq: int, cols: int) -> int:

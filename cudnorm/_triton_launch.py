@@ -1,5 +1,6 @@
 """What C++ needs to launch a kernel Triton compiled (csrc/launch.cpp, ``launch_kernel``): one
-place that checks a compiled kernel is a launch C++ makes and reads off its handle.
+place that checks a compiled kernel is a launch C++ makes and reads off its handle, and
+:func:`launch`, through which Python launches every kernel of cudnorm's.
 
 C++ launches through ``cuLaunchKernel`` with a 1-D grid, one CTA per block, no cooperative or
 programmatic-dependent launch, the parameters in a fixed order (pointers, then 32-bit
@@ -10,6 +11,17 @@ LayerNorm/RMSNorm kernels (:mod:`cudnorm._norm_kernel`).
 """
 
 from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import torch
+
+from . import _lru
+
+#: cudnorm's native launch (csrc/python.cpp, ``launch``) while the native path serves, else
+#: ``None``: set by :mod:`cudnorm._native`
+native: Callable | None = None
 
 # the metadata fields of the scratch buffers Triton may add as trailing pointer parameters
 _SCRATCH = ("global_scratch_size", "profile_scratch_size")
@@ -30,3 +42,67 @@ def handle(compiled, parameters: list[str]) -> tuple[int, int, int, int] | None:
     if not plain or not compiled.function:
         return None
     return int(compiled.function), 32 * meta.num_warps, meta.shared, sum(hasattr(meta, name) for name in _SCRATCH)
+
+
+# (kernel, device, what Triton specialises each argument on, constexprs) -> the compiled
+# kernel's handle and argument order (:func:`_plain`), or None where C++ cannot launch it
+_HANDLES = _lru.LRU("triton_launches", 256)
+_MISSING = object()
+
+
+def _specialised(value) -> object:
+    """What Triton compiles a runtime argument for: a tensor's dtype and 16-byte alignment, an
+    int's being 1, a multiple of 16 and 32-bit (a key at least as fine as Triton's own)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool, value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    return type(value)
+
+
+def _plain(kernel, args: tuple, meta: dict) -> tuple | None:
+    """``(CUfunction, threads, shared bytes, scratch parameters, pointer indices, scalar
+    indices)`` of ``kernel`` compiled for ``args`` and ``meta`` (its module loaded), or None
+    where C++ cannot launch it: another parameter kind, a pointer after a scalar."""
+    compiled = kernel.warmup(*args, grid=(1,), **meta)
+    compiled.run  # noqa: B018 - loads the module: sets compiled.function
+    kinds = list(compiled.src.signature.values())[:len(args)]
+    runtime = [i for i, kind in enumerate(kinds) if kind != "constexpr"]  # an int of 1 is compiled in
+    pointers = [i for i in runtime if isinstance(args[i], torch.Tensor)]
+    scalars = [i for i in runtime if not isinstance(args[i], torch.Tensor)]
+    if (pointers and scalars and max(pointers) > min(scalars)) or any(
+            isinstance(args[i], bool) or not isinstance(args[i], (int, float)) for i in scalars):
+        return None
+    found = handle(compiled, ["*"] * len(pointers) + ["fp32" if isinstance(args[i], float) else "i32"
+                                                       for i in scalars])
+    return None if found is None else (*found, tuple(pointers), tuple(scalars))
+
+
+def _bits(value: int | float) -> int:
+    """An int32 scalar as is, a fp32 one as its bits (C++ passes every scalar as 32 bits)."""
+    return value if isinstance(value, int) else struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def launch(kernel, grid: int, args: tuple, meta: dict) -> None:
+    """``kernel[(grid,)](*args, **meta)`` on the current device's current stream, ``args``
+    positional runtime arguments (tensors on the current device, ints, floats), ``meta`` the
+    constexprs and ``num_warps``. While the native path serves, C++ launches the compiled
+    kernel (``cuLaunchKernel``), its handle found by what Triton specialises the call on;
+    otherwise, or where C++ cannot launch that kernel, Triton's own launcher (which cost
+    0.3-0.5 ms more host time per training call of a norm kernel on a lent H200,
+    docs/performance.md)."""
+    first = args[0]
+    if native is not None and first.is_cuda:
+        key = (kernel, first.get_device(), *map(_specialised, args), *meta.items())
+        found = _HANDLES.get(key, _MISSING)
+        if found is _MISSING:
+            found = _plain(kernel, args, meta)
+            _HANDLES.put(key, found)
+        if found is not None:
+            function, threads, shared, scratch, pointers, scalars = found
+            native(function, grid, threads, shared, scratch, tuple(args[i] for i in pointers),
+                   tuple(_bits(args[i]) for i in scalars))
+            return
+    kernel[(grid,)](*args, **meta)

@@ -17,8 +17,9 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_triton_launch", "_version", "_warn",
+    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
      "reference"),  # no package imports
+    ("_triton_launch",),  # what C++ needs to launch a compiled kernel; Python's launches through C++
     ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
     ("_ada_rms", "_gated", "_settings", "_token_ada"),  # adaptive RMSNorm's formula and kernels; the gated
     # residual's; the per-token modulated norms' formula and kernels

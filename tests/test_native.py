@@ -170,6 +170,69 @@ def test_triton_launch_takes_only_plain_launches():
     assert _triton_launch.handle(compiled(kinds, function=0), want) is None  # module not loaded
 
 
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on CUDA device 0 (what :func:`_triton_launch.launch` reads)."""
+
+    is_cuda = property(lambda self: True)
+
+    def get_device(self):
+        return 0
+
+
+def _stand_in_kernel(signature: dict, compiles: list, launched: list):
+    """A jitted kernel's stand-in: ``warmup`` returns a loaded compiled kernel of ``signature``
+    (counted in ``compiles``), ``kernel[grid](...)`` (Triton's launcher) records in ``launched``."""
+    from types import SimpleNamespace
+
+    class Kernel:
+        def warmup(self, *args, grid, **meta):
+            compiles.append(meta)
+            info = SimpleNamespace(num_warps=meta["num_warps"], shared=256, num_ctas=1)
+            return SimpleNamespace(run=None, function=0x7F00, metadata=info, src=SimpleNamespace(signature=signature))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(("triton", grid, args))
+
+    return Kernel()
+
+
+def test_python_launches_go_through_cpp_while_native_serves(monkeypatch):
+    """A kernel Python launches goes to C++'s launch with its pointers, then its 32-bit
+    scalars (an int of 1, compiled in, left out; a float as its fp32 bits), compiled once per
+    specialisation (a misaligned pointer is another); Triton's launcher where the native path
+    does not serve or the compiled parameters are not the kinds C++ passes."""
+    import struct
+
+    from cudnorm import _triton_launch
+
+    launched, compiles = [], []
+    monkeypatch.setattr(_triton_launch, "native", lambda *args: launched.append(("cpp", *args)))
+    signature = {"x": "*bf16", "y": "*fp32", "rows": "i32", "seq": "constexpr", "eps": "fp32", "BLOCK": "constexpr"}
+    kernel = _stand_in_kernel(signature, compiles, launched)
+    x = torch.Tensor._make_subclass(_OnDevice, torch.zeros(64, dtype=BF16))
+    y = torch.Tensor._make_subclass(_OnDevice, torch.zeros(64))
+    meta = {"BLOCK": 64, "num_warps": 4}
+    for rows in (100, 200):  # one compile: neither is 1 or a multiple of 16
+        _triton_launch.launch(kernel, 7, (x, y, rows, 1, 1e-5), meta)
+    eps_bits = struct.unpack("<i", struct.pack("<f", 1e-5))[0]
+    assert len(compiles) == 1 and len(launched) == 2
+    for (via, function, blocks, threads, shared, scratch, pointers, ints), rows in zip(launched, (100, 200)):
+        assert (via, function, blocks, threads, shared, scratch) == ("cpp", 0x7F00, 7, 128, 256, 0)
+        assert pointers[0] is x and pointers[1] is y and ints == (rows, eps_bits)
+    _triton_launch.launch(kernel, 7, (x[1:], y, 100, 1, 1e-5), meta)  # 2 bytes off: another specialisation
+    assert len(compiles) == 2
+    launched.clear()
+    monkeypatch.setattr(_triton_launch, "native", None)  # native="off"
+    _triton_launch.launch(kernel, 7, (x, y, 100, 1, 1e-5), meta)
+    assert [entry[:2] for entry in launched] == [("triton", (7,))]
+    monkeypatch.setattr(_triton_launch, "native", lambda *args: launched.append(("cpp", *args)))
+    launched.clear()
+    odd = _stand_in_kernel({"x": "*bf16", "rows": "i64"}, compiles, launched)  # a 64-bit scalar
+    for _ in range(2):
+        _triton_launch.launch(odd, 3, (x, 5), meta)
+    assert [entry[:2] for entry in launched] == [("triton", (3,))] * 2
+
+
 def test_kernel_fallbacks_match_pytorch():
     """What kernel.cpp asks Python for where it cannot launch the kernel: the kernel's own
     forward and backward (run under Triton's interpreter, in a child process)."""

@@ -192,6 +192,42 @@ def test_kernel_served_calls_capture_into_cuda_graphs():
 
 
 @pytest.mark.parametrize("rms", [False, True])
+def test_python_kernel_launches_go_through_cpp(rms, monkeypatch):
+    """A kernel Python launches (the per-token adaptive norm's forward and backward) goes
+    through C++'s launch while the native path serves: the same results as Triton's own
+    launcher (``native="off"``), bit for bit, and a capture into a CUDA graph replays it."""
+    from cudnorm import _token_ada, _triton_launch
+
+    real = _triton_launch.native
+    assert real is not None
+    launched = []
+    monkeypatch.setattr(_triton_launch, "native", lambda *args: (launched.append(args[1]), real(*args)))
+    x = _bf16(2 * 300, 1152).view(2, 300, 1152)
+    mod = _bf16(2 * 300, 2 * 1152).view(2, 300, 2 * 1152)  # scale and shift: chunks read in place
+
+    def call(x, mod):
+        return _token_ada.kernel(x, *mod.chunk(2, dim=-1), 1e-6, rms, True)
+
+    via_cpp = _grads(call, [x, mod])
+    assert len(launched) == 2  # forward, backward
+    with cudnorm.config(native="off"):
+        assert _triton_launch.native is None
+        via_triton = _grads(call, [x, mod])
+    for a, b in zip(via_cpp[0] + via_cpp[1], via_triton[0] + via_triton[1]):
+        assert torch.equal(a, b)
+    static_x = x.clone()
+    with torch.no_grad():
+        call(static_x, mod)  # compiled and its handle found before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = call(static_x, mod)
+        static_x.copy_(x.flip(1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, call(x.flip(1), mod))
+
+
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n", [2048, 16384])  # fused in the graph / PyTorch's add then the plain graph
 def test_fused_residual_add_matches_python_path(rms, n):
     x, r = _bf16(64, n), _bf16(64, n)

@@ -167,7 +167,42 @@ PyObject* affine_fold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// launch(function, blocks, threads, shared, scratch, pointers, ints): a kernel Triton compiled,
+// through cuLaunchKernel on the current stream (cudnorm._triton_launch.launch): `pointers` a tuple
+// of CUDA tensors (their data pointers, in order), `ints` a tuple of int32 values (a fp32 scalar as
+// its bits). Triton's own Python launcher costs far more host time per launch.
+PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  arity(nargs, 7);
+  for (Py_ssize_t i = 0; i < 5; ++i) {
+    if (!integer(args[i])) bad("expected an int");
+  }
+  if (!PyTuple_Check(args[5]) || !PyTuple_Check(args[6])) bad("expected tuples of tensors and ints");
+  cudnorm::KernelLaunch kernel;
+  kernel.function = PyLong_AsLongLong(args[0]);
+  const int64_t blocks = PyLong_AsLongLong(args[1]);
+  kernel.threads = PyLong_AsLongLong(args[2]);
+  kernel.shared = PyLong_AsLongLong(args[3]);
+  kernel.scratch = PyLong_AsLongLong(args[4]);
+  std::vector<const void*> pointers;
+  pointers.reserve(PyTuple_GET_SIZE(args[5]));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[5]); ++i) {
+    pointers.push_back(tensor(PyTuple_GET_ITEM(args[5], i)).data_ptr());
+  }
+  std::vector<int32_t> ints;
+  ints.reserve(PyTuple_GET_SIZE(args[6]));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[6]); ++i) {
+    PyObject* item = PyTuple_GET_ITEM(args[6], i);
+    if (!integer(item)) bad("expected an int32 scalar");
+    ints.push_back(static_cast<int32_t>(PyLong_AsLong(item)));
+  }
+  cudnorm::launch_kernel(kernel, blocks, pointers, ints);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
+    {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL, nullptr},
     {"layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(layer_norm)), METH_FASTCALL, nullptr},
     {"rms_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rms_norm)), METH_FASTCALL, nullptr},
     {"add_layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_layer_norm)), METH_FASTCALL,
