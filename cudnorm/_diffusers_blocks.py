@@ -10,8 +10,7 @@ of DiT, PixArt, SD3 and Flux (and Chroma's, Flux's with another modulation) are 
 others in :mod:`cudnorm._diffusers_block_forwards`:
 
 * ``BasicTransformerBlock`` with ``norm_type="ada_norm_zero"`` (DiT: ``norm3`` and the MLP's
-  modulation, with the attention's gated residual add before it where there is no
-  cross-attention) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
+  modulation) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
   ``norm2`` with the MLP's, from ``scale_shift_table``);
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
@@ -87,25 +86,21 @@ def _basic_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     if zero:  # DiT: the AdaLN module returns the attention's input and the MLP's chunks [B, D]
         h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
             hidden_states, timestep, class_labels, hidden_dtype=hidden_states.dtype)
-        gate_mlp = gate_mlp.unsqueeze(1)
+        gate_msa, gate_mlp = gate_msa.unsqueeze(1), gate_mlp.unsqueeze(1)
     else:  # PixArt: six chunks [B, 1, D] of the table plus the timestep embedding
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
             self.scale_shift_table[None] + timestep.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
         h = ops.modulated(self.norm1, hidden_states, scale_msa, shift_msa)
     attn_output = self.attn1(h, encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
                              attention_mask=attention_mask, **kwargs)
-    if zero and self.attn2 is None and hidden_states.dim() == 3:
-        # DiT (no cross-attention): the gated residual add and the MLP's modulated norm, one op
-        h, hidden_states = ops.gated_modulated(norms[-1], hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp)
-    else:
-        hidden_states = (gate_msa.unsqueeze(1) if zero else gate_msa) * attn_output + hidden_states
-        if hidden_states.ndim == 4:
-            hidden_states = hidden_states.squeeze(1)
-        if self.attn2 is not None:  # cross-attention: PixArt's reads the residual stream as it is
-            h = self.norm2(hidden_states) if zero else hidden_states
-            hidden_states = self.attn2(h, encoder_hidden_states=encoder_hidden_states,
-                                       attention_mask=encoder_attention_mask, **kwargs) + hidden_states
-        h = ops.modulated(norms[-1], hidden_states, scale_mlp, shift_mlp)
+    hidden_states = gate_msa * attn_output + hidden_states
+    if hidden_states.ndim == 4:
+        hidden_states = hidden_states.squeeze(1)
+    if self.attn2 is not None:  # cross-attention: PixArt's reads the residual stream as it is
+        h = self.norm2(hidden_states) if zero else hidden_states
+        hidden_states = self.attn2(h, encoder_hidden_states=encoder_hidden_states,
+                                   attention_mask=encoder_attention_mask, **kwargs) + hidden_states
+    h = ops.modulated(norms[-1], hidden_states, scale_mlp, shift_mlp)
     hidden_states = gate_mlp * self.ff(h) + hidden_states
     if hidden_states.ndim == 4:
         hidden_states = hidden_states.squeeze(1)
