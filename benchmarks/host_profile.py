@@ -6,7 +6,8 @@ time. Layers, innermost first: the frontend's ordered execute on fixed buffers, 
 a freshly allocated output, ``Plan.run``, the op implementation, and the public API; torch's
 own kernel for comparison. Then the same for the backward; cudnorm's Triton kernels launched
 from Python, through Triton's launcher and through C++'s ``launch`` (the native path's), a norm
-forward alone and a per-token adaptive LayerNorm's training call beside PyTorch's formula; and
+forward alone and a per-token adaptive LayerNorm's training call (its Python autograd function
+by either launcher, C++'s node and launches, the public function) beside PyTorch's formula; and
 cProfiles of the API calls and of that training call (autograd on the calling thread, so the
 profile sees its backward).
 
@@ -126,9 +127,10 @@ def _token_training(fn, x, mod, dy):
 
 def launch_layers() -> dict:
     """Host us per call of cudnorm's Triton kernels launched from Python, by launcher."""
-    from cudnorm import _norm_kernel, _token_ada, _triton_launch
+    from cudnorm import _entry, _norm_kernel, _token_ada, _triton_launch
 
     cpp = _triton_launch.native  # set once an earlier section's call activated the native path
+    served = _entry.native  # the per-token op's node and launches in C++ (csrc/kernel.cpp)
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -138,20 +140,24 @@ def launch_layers() -> dict:
     for via, launcher in (("Triton's launcher", None), ("C++ launch", cpp)):
         if via == "C++ launch" and cpp is None:
             continue
-        _triton_launch.native = launcher
+        _triton_launch.native, _entry.native = launcher, False  # the Python autograd function
         try:
             times[f"norm kernel forward, {via}"] = wall_us_per_call(
                 lambda: _norm_kernel.forward(x, w, w, 1e-5, False, True), CALLS, warmup=50)
-            times[f"per-token kernel, training, {via}"] = wall_us_per_call(
+            times[f"per-token kernel, training, Python autograd, {via}"] = wall_us_per_call(
                 _token_training(_token_ada.kernel, xg, mod, dy), CALLS // 4, warmup=20)
         finally:
-            _triton_launch.native = cpp
-    for fn in (_token_ada.kernel, _token_ada.formula):
-        kind = "kernel" if fn is _token_ada.kernel else "formula"
-        times[f"per-token {kind}, training"] = wall_us_per_call(_token_training(fn, xg, mod, dy), CALLS // 4, warmup=20)
+            _triton_launch.native, _entry.native = cpp, served
+    x3, mod3 = xg.detach().view(1, M, N).requires_grad_(), mod.detach().view(1, M, 2 * N).requires_grad_()
+    public = {"kernel": _token_ada.kernel, "formula": _token_ada.formula,
+              "ada_layer_norm": lambda x, scale, shift, eps, rms, one_plus: cudnorm.ada_layer_norm(x, scale, shift, eps,
+                                                                                                  one_plus)}
+    for kind, fn in public.items():
+        args = (x3, mod3, dy.view(1, M, N)) if kind == "ada_layer_norm" else (xg, mod, dy)
+        times[f"per-token {kind}, training"] = wall_us_per_call(_token_training(fn, *args), CALLS // 4, warmup=20)
         with torch.autograd.set_multithreading_enabled(False):  # no hand-off to autograd's device thread
             times[f"per-token {kind}, training, one thread"] = wall_us_per_call(
-                _token_training(fn, xg, mod, dy), CALLS // 4, warmup=20)
+                _token_training(fn, *args), CALLS // 4, warmup=20)
     return times
 
 

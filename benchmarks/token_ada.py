@@ -7,7 +7,8 @@ shift read in place from one ``[1, rows, 3D]`` Linear output (as diffusers' chun
 
 * ``formula``: diffusers' ``norm(x) * (1 + scale) + shift`` in PyTorch's eager ops;
 * ``compiled``: the same under ``torch.compile`` (what a compiled model runs);
-* ``kernel``: :func:`cudnorm._token_ada.kernel` (launched from Python);
+* ``kernel``: :func:`cudnorm._token_ada.kernel` (its launches and autograd node in C++ while
+  the native path serves, else launched from Python);
 * ``cudnorm``: ``cudnorm.ada_layer_norm`` / ``ada_rms_norm`` under the default policy (the
   measured decision's choice, ``serves``).
 

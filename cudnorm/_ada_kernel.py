@@ -22,7 +22,6 @@ native path C++ launches the compiled kernel itself (:func:`native_launch`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -213,11 +212,7 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, batch: int, scale: torch.Tenso
             0 if rms else stats.stride(0), chunks, batch)
     meta = {"ONE_PLUS_SCALE": one_plus_scale, "BLOCK": block, "ROWS": rows_per_program, "RMS": rms,
             "num_warps": warps}
-    if x2.is_cuda and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # a launch goes to the current device's stream
-            _triton_launch.launch(_kernel(), batch * chunks, args, meta)
-    else:
-        _triton_launch.launch(_kernel(), batch * chunks, args, meta)
+    _triton_launch.launch(_kernel(), batch * chunks, args, meta)
     return dx, partial[:, :, 0] if chunks == 1 else partial.sum(2)
 
 
@@ -240,8 +235,7 @@ def gated_backward(dy2: torch.Tensor, h2: torch.Tensor, batch: int, scale: torch
             seq, cols, gate.stride(0), scale.stride(0), stats.stride(0), chunks, batch)
     meta = {"ONE_PLUS_SCALE": one_plus_scale, "HAS_DH": dh2 is not None, "BLOCK": block, "ROWS": rows_per_program,
             "num_warps": warps}
-    with torch.cuda.device(device) if h2.is_cuda else contextlib.nullcontext():  # the current device's stream
-        _triton_launch.launch(_gated_kernel(), batch * chunks, args, meta)
+    _triton_launch.launch(_gated_kernel(), batch * chunks, args, meta)
     return dres, dbranch, partial[:, :, 0] if chunks == 1 else partial.sum(2)
 
 

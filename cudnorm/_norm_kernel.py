@@ -293,14 +293,6 @@ def _finish_shape(programs: int, cols: int) -> tuple[int, int, int]:
     return block_p, block_c, -(-cols // block_c)
 
 
-def _launch(kernel, x: torch.Tensor, programs: int, args: tuple, meta: dict) -> None:
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x.device):  # a launch goes to the current device's stream
-            _triton_launch.launch(kernel, programs, args, meta)
-    else:
-        _triton_launch.launch(kernel, programs, args, meta)
-
-
 def _row_stride(t: torch.Tensor | None, seq: int, cols: int) -> int:
     """A modulation's row stride (compiled in: a model has one or two), ``cols`` where unused."""
     return cols if t is None or seq == 0 or t.shape[0] == 1 else t.stride(0)
@@ -337,7 +329,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
             "HAS_W": weight is not None, "HAS_B": bias is not None, "STATS": training,
             "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps,
             "W_STRIDE": _row_stride(weight, seq, cols), "B_STRIDE": _row_stride(bias, seq, cols)}
-    _launch(_kernels()[0], x, programs, args, meta)
+    _triton_launch.launch(_kernels()[0], programs, args, meta)
     return y, stats
 
 
@@ -366,13 +358,13 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, sta
             rows, tiles)
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": has_w, "HAS_DB": has_db, "num_warps": config.num_warps}
-    _launch(_kernels()[1], x, programs, args, meta)
+    _triton_launch.launch(_kernels()[1], programs, args, meta)
     if not (has_w or has_db):
         return dx, None, None
     dw = torch.empty(cols, dtype=weight.dtype, device=x.device) if has_w else None
     db = torch.empty(cols, dtype=bias_dtype, device=x.device) if has_db else None
     block_p, block_c, grid = _finish_shape(programs, cols)
-    _launch(_kernels()[2], x, grid, (dw_partial, db_partial, dx if dw is None else dw, dx if db is None else db,
+    _triton_launch.launch(_kernels()[2], grid, (dw_partial, db_partial, dx if dw is None else dw, dx if db is None else db,
                                      programs),
             {"COLS": cols, "BLOCK_C": block_c, "BLOCK_P": block_p, "HAS_W": has_w, "HAS_DB": has_db, "num_warps": 4})
     return dx, dw, db
@@ -417,7 +409,8 @@ _NATIVE_PARAMETERS = {False: 6 * ["*"] + ["i32", "i32", "fp32", "i32"], True: 8 
 _NATIVE_FINISH_PARAMETERS = 4 * ["*"] + ["i32"]
 
 def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torch.dtype | None,
-                  bias_dtype: torch.dtype | None, backward: bool = False
+                  bias_dtype: torch.dtype | None, backward: bool = False,
+                  per_token: tuple[bool, int, int] | None = None
                   ) -> tuple[int, int, int, int, int, int, int] | None:
     """``(CUfunction, threads, shared bytes, 0, scratch parameters, programs, tiles)``: the
     compiled kernel serving ``x: [M, N]`` (a packed CUDA or meta tensor) forward (``training``:
@@ -428,6 +421,8 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     checks each call) and the call's width, weight and bias dtypes. ``None`` where the compiled
     kernel is not the plain launch C++ makes (clusters, cooperative or PDL launches, scratch
     memory, another parameter list) or the row count needs 64-bit scalars: Python launches it then.
+    ``per_token``: ``(one_plus, scale row stride, shift row stride)`` compiles the forward
+    modulated per token (:mod:`cudnorm._token_ada`: weight and bias are its scale and shift).
 
     A kernel launched from Python costs 0.3-0.5 ms more host time per training call than one
     launched from C++ (a lent H200, docs/performance.md), which decided narrow training calls
@@ -450,8 +445,9 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     else:
         stats = _F32 if training else x.dtype  # not training: y's pointer stands for the statistics
         dtypes = (x.dtype, wdtype, bias_dtype or x.dtype, x.dtype, stats, stats)
-        meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=False, ONE_PLUS=False, W_STRIDE=cols,
-                    B_STRIDE=cols)
+        one_plus, w_stride, b_stride = per_token or (False, cols, cols)
+        meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=per_token is not None, ONE_PLUS=one_plus,
+                    W_STRIDE=w_stride, B_STRIDE=b_stride)
         scalars = (rows, tiles, 1e-5, 1)
     with torch.cuda.device(device):
         compiled = _kernels()[backward].warmup(*dtypes, *scalars, grid=(1,), **meta)

@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import _norm_kernel
+from . import _entry, _norm_kernel, _triton_launch
 
 _F32 = torch.float32
 
@@ -111,8 +111,60 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, scale2: torch.Tensor, stats: t
     meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "ONE_PLUS": one_plus_scale, "S_STRIDE": scale2.stride(0) if rows > 1 else cols,
             "num_warps": config.num_warps}
-    _norm_kernel._launch(_kernel(), x2, tiles, args, meta)
+    _triton_launch.launch(_kernel(), tiles, args, meta)
     return dx, dscale
+
+
+def differentiable_backward(dy2: torch.Tensor, x2: torch.Tensor, scale2: torch.Tensor, eps: float, rms: bool,
+                            one_plus_scale: bool, shift_dtype: torch.dtype | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dx, dscale, dshift)`` of the per-token norm in PyTorch's ops (the math of the module
+    docstring, in fp32 or wider), differentiable: the gradients ``create_graph=True`` asks for.
+    ``dy2``, ``x2``, ``scale2``: ``[M, D]``; each gradient in its input's dtype, ``dshift``
+    ``None`` without a shift."""
+    wide = torch.promote_types(x2.dtype, torch.float32)
+    x = x2.to(wide)
+    if rms:
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        xhat = x * rstd
+    else:
+        centred = x - x.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+        xhat = centred * rstd
+    dy, scale = dy2.to(wide), scale2.to(wide)
+    g = dy * (scale + 1 if one_plus_scale else scale)
+    inner = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    dx = rstd * (inner if rms else inner - g.mean(-1, keepdim=True))
+    dshift = None if shift_dtype is None else dy2.to(shift_dtype)
+    return dx.to(x2.dtype), (dy * xhat).to(scale2.dtype), dshift
+
+
+# the compiled backward's parameters C++ fills (csrc/kernel.cpp, token_backward): x, dy, scale,
+# mean, rstd, dx, dscale; rows
+_NATIVE_PARAMETERS = 7 * ["*"] + ["i32"]
+
+
+def native_launch(x2: torch.Tensor, scale_dtype: torch.dtype, rms: bool, one_plus_scale: bool, scale_stride: int
+                  ) -> tuple[int, int, int, int, int, int, int] | None:
+    """``(CUfunction, threads, shared bytes, 0, scratch parameters, programs, tiles)`` of the
+    backward serving ``x2: [M, D]`` (packed) with a scale of ``scale_dtype`` and row stride
+    ``scale_stride`` (compiled in), for the native path to launch (csrc/kernel.cpp); ``None``
+    where C++ cannot launch the compiled kernel plainly or the rows need 64-bit scalars."""
+    rows, cols = x2.shape
+    config = _norm_kernel._config(cols, x2.dtype, rows, backward=True)
+    tiles = -(-rows // config.block_m)
+    if rows >= 2**31:
+        return None
+    meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+            "ONE_PLUS": one_plus_scale, "S_STRIDE": scale_stride,
+            "num_warps": config.num_warps}
+    f32 = torch.float32
+    with torch.cuda.device(x2.device if x2.device.type == "cuda" else torch.cuda.current_device()):
+        compiled = _kernel().warmup(x2.dtype, x2.dtype, scale_dtype, f32, f32, x2.dtype, scale_dtype, rows,
+                                    grid=(1,), **meta)
+        compiled.run  # noqa: B018 - loads the module: sets compiled.function
+    launch = _triton_launch.handle(compiled, _NATIVE_PARAMETERS)
+    return None if launch is None else (*launch[:3], 0, launch[3], tiles, tiles)
 
 
 class _KernelFunction(torch.autograd.Function):
@@ -137,7 +189,12 @@ def kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps
     """The per-token adaptive norm of ``x: [..., D]`` through the kernels, with autograd:
     ``scale``/``shift`` of x's shape (``shift`` may be ``None``), each read in place where its
     rows are evenly spaced (a chunk of a Linear's output). ``y`` in x's dtype; without gradients
-    to compute no statistics are stored."""
+    to compute no statistics are stored. While the native path serves, C++ launches the kernels
+    and holds the autograd node (csrc/kernel.cpp)."""
+    if _entry.native and type(x) is torch.Tensor:
+        y = _entry.token_ada_kernel(x, scale, shift, eps, one_plus_scale, rms)
+        if y is not None:
+            return y
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     scale2, shift2 = (None if t is None else _rows(t, d) for t in (scale, shift))

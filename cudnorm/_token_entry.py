@@ -15,6 +15,14 @@ import torch
 from . import _candidates, _checks, _decisions, _entry, _ops, _policy, _token_ada
 
 
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
+
+
+def _name(rms: bool) -> str:
+    """The public function's name, for errors."""
+    return "ada_rms_norm" if rms else "ada_layer_norm"
+
+
 def is_per_token(input, scale) -> bool:
     """Whether ``scale`` modulates ``input`` per token: more than one row in its second-last dim
     (a per-sample ``[B, 1, D]`` or ``[B, D]`` has one). Attribute reads: runs on every call."""
@@ -41,10 +49,28 @@ def _check_call(fn: str, input, scale, shift, eps, one_plus_scale) -> float:
     return eps
 
 
-def call(fn: str, input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
+def call(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
          one_plus_scale: bool, rms: bool) -> torch.Tensor:
-    """``norm(input) * gain + shift`` with ``scale``/``shift`` of the input's shape (``fn``: the
-    public function's name, for errors), in the input's dtype."""
+    """``norm(input) * gain + shift`` with ``scale``/``shift`` of the input's shape, in the
+    input's dtype. While the native path serves, C++ takes a plain tensor's call (checks,
+    decision, launches, autograd node: csrc/entry.cpp) and hands back what it does not serve."""
+    # a tensor subclass (a DTensor) goes straight to Python, which C++ would hand it back to
+    if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():
+        try:
+            return _entry.token_ada_norm(input, scale, shift, eps, one_plus_scale, rms)
+        except (TypeError, RuntimeError):  # the entry refused an argument: cudnorm's error names it
+            _check_call(_name(rms), input, scale, shift, eps, one_plus_scale)
+            raise
+    if _entry.pending and _entry.try_native(input):
+        return call(input, scale, shift, eps, one_plus_scale, rms)
+    return python_call(input, scale, shift, eps, one_plus_scale, rms)
+
+
+def python_call(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
+                one_plus_scale: bool, rms: bool) -> torch.Tensor:
+    """:func:`call` in Python: the path without the native launch path, and the one the native
+    entry hands back every call it does not serve itself."""
+    fn = _name(rms)
     if _entry.is_compiling():  # a mistake raises cudnorm's error when the compiled code runs
         error = _checks.traced_error(_check_call, input, fn, input, scale, shift, eps, one_plus_scale)
         if error is not None:

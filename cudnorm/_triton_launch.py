@@ -86,13 +86,22 @@ def _bits(value: int | float) -> int:
 
 
 def launch(kernel, grid: int, args: tuple, meta: dict) -> None:
-    """``kernel[(grid,)](*args, **meta)`` on the current device's current stream, ``args``
-    positional runtime arguments (tensors on the current device, ints, floats), ``meta`` the
+    """``kernel[(grid,)](*args, **meta)`` on the current stream of the first argument's device,
+    ``args`` positional runtime arguments (tensors on one device, ints, floats), ``meta`` the
     constexprs and ``num_warps``. While the native path serves, C++ launches the compiled
     kernel (``cuLaunchKernel``), its handle found by what Triton specialises the call on;
     otherwise, or where C++ cannot launch that kernel, Triton's own launcher (about twice the
     host time: 62.5 against 32.9 us a norm forward on a lent H200, docs/performance.md,
     Decisions)."""
+    first = args[0]
+    if first.is_cuda and first.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(first.device):  # a launch goes to the current device's stream
+            _launch(kernel, grid, args, meta)
+    else:
+        _launch(kernel, grid, args, meta)
+
+
+def _launch(kernel, grid: int, args: tuple, meta: dict) -> None:
     first = args[0]
     if native is not None and first.is_cuda:
         key = (kernel, first.get_device(), *map(_specialised, args), *meta.items())

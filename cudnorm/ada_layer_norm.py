@@ -302,7 +302,7 @@ def ada_layer_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         cuDNN's AdaLN measured faster for its signature (:mod:`cudnorm._policy`, rule 4).
     """
     if _token_entry.is_per_token(input, scale):  # a modulation per token: its own kernels and formula
-        return _token_entry.call(_OP, input, scale, shift, eps, one_plus_scale, rms=False)
+        return _token_entry.call(input, scale, shift, eps, one_plus_scale, rms=False)
     # the native path: C++ from here on. A tensor subclass (a DTensor) goes straight to the Python
     # implementation, which the C++ entry would hand it back to through the dispatcher
     if _entry.native and type(input) is _TENSOR and not _entry.is_compiling():

@@ -68,7 +68,7 @@ def ada_rms_norm(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor |
         kernel, whichever measured faster for its signature (:mod:`cudnorm._policy`).
     """
     if _token_entry.is_per_token(input, scale):  # a modulation per token: its own kernels and formula
-        return _token_entry.call(_OP, input, scale, shift, eps, one_plus_scale, rms=True)
+        return _token_entry.call(input, scale, shift, eps, one_plus_scale, rms=True)
     if _entry.is_compiling():  # a mistake raises cudnorm's error when the compiled code runs
         error = _checks.traced_error(_check_call, input, input, scale, shift, eps, one_plus_scale)
         if error is not None:

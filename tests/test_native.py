@@ -6,6 +6,7 @@ The C++ itself runs on the GPU (tests/test_native_gpu.py). Here plans come from 
 cuDNN path (tests/emulated_cudnn.py) and get fake ids in place of the C++ table's.
 """
 
+import contextlib
 import subprocess
 import sys
 
@@ -147,6 +148,37 @@ def test_kernel_recipes_carry_the_compiled_launch(resolve, monkeypatch, launch):
                      ((1 << 14, 96), True, True, None, None, True)]
 
 
+@pytest.mark.parametrize("launch", [NORM_LAUNCH, None])
+def test_per_token_recipes_carry_the_compiled_launches(resolve, monkeypatch, launch):
+    """A norm modulated per token (kernel.cpp): the forward compiles the norm kernel modulated
+    with the call's row strides, the backward the per-token kernel; a width the kernels do not
+    take resolves to the formula's ops (ATEN), which the entry runs instead."""
+    asked = []
+
+    def norm_launch(x, rms, training, weight_dtype, bias_dtype, backward=False, per_token=None):
+        asked.append(("fwd", tuple(x.shape), rms, training, weight_dtype, bias_dtype, per_token))
+        return launch
+
+    def token_launch(x, scale_dtype, rms, one_plus, stride):
+        asked.append(("bwd", tuple(x.shape), scale_dtype, rms, one_plus, stride))
+        return launch
+
+    monkeypatch.setattr(_native._norm_kernel, "native_launch", norm_launch)
+    monkeypatch.setattr(_native._token_ada, "native_launch", token_launch)
+    monkeypatch.setattr(_native._norm_kernel, "available", lambda: True)  # Triton (none in CPU CI)
+    x = torch.randn(4096, 96, dtype=BF16)
+    forward = resolve("token_fwd", x, [1, 1, 1, _code(torch.float32), -1, 288, 96], [])
+    backward = resolve("token_bwd", x, [0, 1, _code(BF16), 288], [])
+    for recipe in (forward, backward):
+        assert recipe["mode"] == (_native.KERNEL if launch else _native.PYTHON)
+        assert recipe["kernel"] == (launch or ())
+    assert asked == [("fwd", (4096, 96), True, True, torch.float32, None, (True, 288, 96)),
+                     ("bwd", (4096, 96), BF16, False, True, 288)]
+    wide = torch.randn(8, _native._norm_kernel.MAX_COLS + 8, dtype=BF16)
+    assert resolve("token_fwd", wide, [0, 1, 1, _code(BF16), _code(BF16), wide.shape[1], wide.shape[1]],
+                   [])["mode"] == _native.ATEN
+
+
 def test_triton_launch_takes_only_plain_launches():
     """What C++ launches by handle: a 1-CTA, non-cooperative, non-PDL kernel without scratch
     memory whose non-constexpr parameters are the kinds C++ passes, in order."""
@@ -205,8 +237,9 @@ def test_python_launches_go_through_cpp_while_native_serves(monkeypatch):
 
     from cudnorm import _triton_launch
 
-    launched, compiles = [], []
+    launched, compiles, switched = [], [], []
     monkeypatch.setattr(_triton_launch, "native", lambda *args: launched.append(("cpp", *args)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     signature = {"x": "*bf16", "y": "*fp32", "rows": "i32", "seq": "constexpr", "eps": "fp32", "BLOCK": "constexpr"}
     kernel = _stand_in_kernel(signature, compiles, launched)
     x = torch.Tensor._make_subclass(_OnDevice, torch.zeros(64, dtype=BF16))
@@ -231,6 +264,12 @@ def test_python_launches_go_through_cpp_while_native_serves(monkeypatch):
     for _ in range(2):
         _triton_launch.launch(odd, 3, (x, 5), meta)
     assert [entry[:2] for entry in launched] == [("triton", (3,))] * 2
+    # tensors on another device than the current one: the launch switches to theirs first
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: switched.append(device) or contextlib.nullcontext())
+    launched.clear()
+    _triton_launch.launch(kernel, 7, (x, y, 100, 1, 1e-5), meta)
+    assert len(switched) == 1 and [entry[0] for entry in launched] == ["cpp"]
 
 
 def test_kernel_fallbacks_match_pytorch():
@@ -257,6 +296,20 @@ def _check_kernel_fallbacks():
         torch.testing.assert_close(dx, xl.grad)
         torch.testing.assert_close(dw, wl.grad)
         assert db.numel() == 0 if rms else torch.allclose(db, bl.grad, atol=1e-5)
+    # a norm modulated per token: scale [M, N] read in place (rows 3N apart), shift or none
+    from cudnorm import _token_ada
+    mod = 0.3 * torch.randn(24, 120)
+    for rms, shift in ((False, mod[:, 40:80]), (True, None)):
+        scale = mod[:, :40]
+        y, stats = _native._kernel("token_fwd", [x, scale, shift], [1e-5, 1.0, float(rms), 1.0])
+        assert stats.shape == ((24,) if rms else (2, 24))
+        dx, dscale = _native._kernel("token_bwd", [dy, x, scale, stats], [1.0, float(rms)])
+        leaves = [t.clone().requires_grad_() for t in (x, scale)]
+        want = _token_ada.formula(*leaves, shift, 1e-5, rms, True)
+        want.backward(dy)
+        torch.testing.assert_close(y, want)
+        torch.testing.assert_close(dx, leaves[0].grad)
+        torch.testing.assert_close(dscale, leaves[1].grad)
     print("interpreted cases ok")
 
 
@@ -280,6 +333,36 @@ def test_fallbacks_take_the_arguments_cpp_passes():
     xa, emb = torch.randn(2, 8, 64), 0.1 * torch.randn(2, 128)
     (y,) = _native._composite("ada_layer_norm", [xa, emb[:, 64:], emb[:, :64]], [1e-6, 1.0], [])
     torch.testing.assert_close(y, F.layer_norm(xa, (64,), eps=1e-6) * (1 + emb[:, None, 64:]) + emb[:, None, :64])
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("shift", [False, True])
+def test_per_token_fallbacks_take_the_arguments_cpp_passes(rms, shift):
+    """entry.cpp hands a call it does not serve to "token_ada_norm" (the Python path);
+    autograd.cpp asks "token_ada_grad" for differentiable gradients under create_graph=True:
+    PyTorch's own autograd of the formula, to first and second order."""
+    from cudnorm import _token_ada
+
+    x = torch.randn(2, 8, 64, dtype=torch.float64, requires_grad=True)
+    scale = (0.3 * torch.randn(2, 8, 64, dtype=torch.float64)).requires_grad_()
+    sh = (0.3 * torch.randn(2, 8, 64, dtype=torch.float64)).requires_grad_() if shift else None
+    (y,) = _native._composite("token_ada_norm", [x, scale, sh], [1e-6, 1.0, float(rms)], [])
+    want = _token_ada.formula(x, scale, sh, 1e-6, rms, True)
+    torch.testing.assert_close(y, want)
+    dy = torch.randn_like(x)
+    code = float(_native._CODES[torch.float64]) if shift else -1.0
+    dx, dscale, dshift = _native._composite("token_ada_grad", [dy.view(16, 64), x.view(16, 64), scale.view(16, 64)],
+                                            [1e-6, float(rms), 1.0, code], [])
+    inputs = [x, scale] + ([sh] if shift else [])
+    grads = torch.autograd.grad(want, inputs, dy, create_graph=True)
+    torch.testing.assert_close(dx.view_as(x), grads[0])
+    torch.testing.assert_close(dscale.view_as(x), grads[1])
+    assert dshift.numel() == 0 if not shift else torch.equal(dshift.view_as(x), grads[2])
+    # second order: the gradients' own gradients agree
+    mine = torch.autograd.grad((dx.square().sum() + dscale.square().sum()), [x, scale])
+    theirs = torch.autograd.grad((grads[0].square().sum() + grads[1].square().sum()), [x, scale])
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.view_as(b), b)
 
 
 def test_differentiable_gradients_for_create_graph():

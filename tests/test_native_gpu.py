@@ -191,25 +191,26 @@ def test_kernel_served_calls_capture_into_cuda_graphs():
         assert loss.item() == pytest.approx(want.item(), rel=1e-2)
 
 
-@pytest.mark.parametrize("rms", [False, True])
-def test_python_kernel_launches_go_through_cpp(rms, monkeypatch):
-    """A kernel Python launches (the per-token adaptive norm's forward and backward) goes
-    through C++'s launch while the native path serves: the same results as Triton's own
-    launcher (``native="off"``), bit for bit, and a capture into a CUDA graph replays it."""
-    from cudnorm import _token_ada, _triton_launch
+@pytest.mark.parametrize("shift", [False, True])
+def test_python_kernel_launches_go_through_cpp(shift, monkeypatch):
+    """A kernel Python launches (the adaptive RMSNorm's forward and backward) goes through
+    C++'s launch while the native path serves: the same results as Triton's own launcher
+    (``native="off"``), bit for bit, and a capture into a CUDA graph replays it."""
+    from cudnorm import _ada_rms, _triton_launch
 
     real = _triton_launch.native
     assert real is not None
     launched = []
     monkeypatch.setattr(_triton_launch, "native", lambda *args: (launched.append(args[1]), real(*args)))
     x = _bf16(2 * 300, 1152).view(2, 300, 1152)
-    mod = _bf16(2 * 300, 2 * 1152).view(2, 300, 2 * 1152)  # scale and shift: chunks read in place
+    mod = _bf16(2, 2 * 1152)  # scale and shift [B, D]
 
     def call(x, mod):
-        return _token_ada.kernel(x, *mod.chunk(2, dim=-1), 1e-6, rms, True)
+        scale, sh = mod.chunk(2, dim=-1)
+        return _ada_rms.kernel(x, scale, sh if shift else None, 1e-6, True)
 
     via_cpp = _grads(call, [x, mod])
-    assert len(launched) == 2  # forward, backward
+    assert len(launched) >= 2  # forward, backward
     with cudnorm.config(native="off"):
         assert _triton_launch.native is None
         via_triton = _grads(call, [x, mod])
@@ -225,6 +226,83 @@ def test_python_kernel_launches_go_through_cpp(rms, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, call(x.flip(1), mod))
+
+
+@pytest.mark.parametrize("case", ["ln", "ln-no-shift", "rms", "rms-no-shift", "rms-fp32-mod", "misaligned"])
+def test_per_token_calls_are_served_in_cpp(case):
+    """A norm modulated per token (scale and shift chunks of a Linear's output, read in place) is
+    served in C++ under policy "cudnn" (its kernels): the launches and the autograd node, the
+    second call from the recipe table; bit for bit the results of Python's kernel launches
+    (``native="off"``). A modulation starting off 16 bytes takes Python's launch from C++."""
+    rms = case.startswith("rms")
+    fn = cudnorm.ada_rms_norm if rms else cudnorm.ada_layer_norm
+    x = _bf16(2 * 300, 1152).view(2, 300, 1152)
+    mod = _bf16(2 * 300, 3 * 1152 + 8).view(2, 300, -1)
+    if case == "rms-fp32-mod":
+        mod = mod.float()
+    start = 1 if case == "misaligned" else 0
+
+    def call(x, mod):
+        scale, shift = mod[..., start:start + 1152], mod[..., start + 1152:start + 2304]
+        return fn(x, scale, None if case.endswith("no-shift") else shift, 1e-6, one_plus_scale=True)
+
+    with cudnorm.config(policy="cudnn"):
+        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
+        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
+        with torch.enable_grad():
+            node = call(x, mod.requires_grad_()).grad_fn.next_functions[0][0].name()  # under y's view
+        mod.requires_grad_(False)
+        with cudnorm.config(native="off"):
+            y_py, grads_py = _grads(call, [x, mod])
+    assert node == ("CudnormTokenAdaRMSNormBackward" if rms else "CudnormTokenAdaLayerNormBackward")
+    assert hits >= (1 if case == "misaligned" else 2)  # forward and backward (misaligned: the forward's key only)
+    for a, b in zip(y + grads, y_py + grads_py):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_per_token_double_backward_and_capture(rms):
+    """Gradients of gradients through the per-token node (create_graph: PyTorch's differentiable
+    formula) match the formula's own; a CUDA graph captures the C++ launches of a training step."""
+    from cudnorm import _token_ada
+
+    fn = cudnorm.ada_rms_norm if rms else cudnorm.ada_layer_norm
+    x = _bf16(4 * 64, 256).view(4, 64, 256).float()
+    scale, shift = 0.3 * torch.randn_like(x), 0.3 * torch.randn_like(x)
+
+    def penalty(norm):
+        leaves = [t.detach().requires_grad_() for t in (x, scale, shift)]
+        y = norm(*leaves)
+        gx, = torch.autograd.grad(y.square().sum(), leaves[0], create_graph=True)
+        gx.square().sum().backward()
+        return [t.grad for t in leaves[:2]]  # dx and dscale of the penalty (it does not reach shift)
+
+    with cudnorm.config(policy="cudnn"):
+        got = penalty(lambda x, sc, sh: fn(x, sc, sh, 1e-6, one_plus_scale=True))
+    want = penalty(lambda x, sc, sh: _token_ada.formula(x, sc, sh, 1e-6, rms, True))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    static = [t.detach().clone().requires_grad_() for t in (x, scale, shift)]
+    with cudnorm.config(policy="cudnn"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*static, 1e-6, one_plus_scale=True).square().mean().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in static:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*static, 1e-6, one_plus_scale=True).square().mean().backward()
+        new_x = torch.randn_like(x)
+        static[0].detach().copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = [t.detach().clone().requires_grad_() for t in (new_x, scale, shift)]
+        fn(*want, 1e-6, one_plus_scale=True).square().mean().backward()
+    for a, b in zip(static, want):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("rms", [False, True])

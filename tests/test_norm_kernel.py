@@ -134,10 +134,10 @@ def _check_finish(programs, cols, has_w, has_db):
     block_p, block_c, grid = nk._finish_shape(programs, cols)
     assert block_p <= nk._FINISH_MAX_PARTIALS and grid * block_c >= cols
     placeholder = partial[0, 0]
-    nk._launch(nk._kernels()[2], partial, grid, (partial[0], partial[1], placeholder if dw is None else dw,
-                                                  placeholder if db is None else db, programs),
-               {"COLS": cols, "BLOCK_C": block_c, "BLOCK_P": block_p, "HAS_W": has_w, "HAS_DB": has_db,
-                "num_warps": 4})
+    nk._triton_launch.launch(nk._kernels()[2], grid, (partial[0], partial[1], placeholder if dw is None else dw,
+                                                       placeholder if db is None else db, programs),
+                             {"COLS": cols, "BLOCK_C": block_c, "BLOCK_P": block_p, "HAS_W": has_w,
+                              "HAS_DB": has_db, "num_warps": 4})
     want = partial.double().sum(2)
     if has_w:  # one bf16 rounding (Triton's interpreter truncates where a GPU rounds to nearest)
         assert ((dw.double() - want[0]).abs() <= 2.0**-7 * want[0].abs() + 1e-6).all(), (programs, cols)

@@ -154,18 +154,23 @@ struct AddNormBackward : CudnormNode {
   }
 };
 
-struct AdaBackward : CudnormNode {
+// A modulated norm's node: what its backward reads (x, the scale, the forward's statistics).
+struct ModulatedBackward : CudnormNode {
   SavedVariable x, scale, stats;
-  bool dit = false;
-  at::ScalarType shift_dtype = at::kFloat;
-  double eps = 0.0;
 
-  std::string name() const override { return "CudnormAdaLayerNormBackward"; }
   void release_variables() override {
     x.reset_data();
     scale.reset_data();
     stats.reset_data();
   }
+};
+
+struct AdaBackward : ModulatedBackward {
+  bool dit = false;
+  at::ScalarType shift_dtype = at::kFloat;
+  double eps = 0.0;
+
+  std::string name() const override { return "CudnormAdaLayerNormBackward"; }
 
   variable_list apply(variable_list&& grads) override {
     const Tensor& dy = grads[0];
@@ -187,6 +192,36 @@ struct AdaBackward : CudnormNode {
                                                                     const Tensor&, bool, at::ScalarType)>();
     auto [dx, dscale, dshift] = bwd.call(dy, xs, sc, st, dit, shift_dtype);
     return computed({dx, dscale, dshift});
+  }
+};
+
+// A norm modulated per token (kernel.cpp): every gradient is per row, nothing summed; dshift is
+// dy itself (in the shift's dtype).
+struct TokenAdaBackward : ModulatedBackward {
+  bool rms = false, one_plus_scale = false;
+  std::optional<at::ScalarType> shift_dtype;
+  double eps = 0.0;
+
+  std::string name() const override {
+    return rms ? "CudnormTokenAdaRMSNormBackward" : "CudnormTokenAdaLayerNormBackward";
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const Tensor& dy = grads[0];
+    variable_list out(3);
+    if (!dy.defined()) return out;
+    Tensor xs = x.unpack(), sc = scale.unpack(), st = stats.unpack();
+    if (at::GradMode::is_enabled()) {  // create_graph=True: the gradients must be differentiable
+      const double shift_code = shift_dtype ? double(static_cast<int64_t>(*shift_dtype)) : -1.0;
+      auto g = composite_py("token_ada_grad", {dy, xs, sc}, {eps, double(rms), double(one_plus_scale), shift_code});
+      out[0] = g[0];
+      out[1] = g[1];
+      if (shift_dtype) out[2] = g[2];
+      return computed(std::move(out));
+    }
+    std::tie(out[0], out[1]) = token_backward(dy, xs, sc, st, one_plus_scale, rms);
+    if (shift_dtype) out[2] = dy.scalar_type() == *shift_dtype ? dy : dy.to(*shift_dtype);
+    return computed(std::move(out));
   }
 };
 
@@ -370,6 +405,29 @@ Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& 
     auto [y, stats] = ada_forward(x, scale, shift, eps, one_plus_scale, training);
     return std::make_tuple(y, stats);
   });
+  return std::get<0>(out);
+}
+
+Tensor token_ada_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms) {
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || requires_grad(shift));
+  std::tuple<Tensor, Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = token_forward(x, scale, shift, eps, one_plus_scale, rms, grad);
+  }
+  if (grad) {
+    auto node = make_node<TokenAdaBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, scale, shift.value_or(Tensor())));
+    node->x = SavedVariable(x, false);
+    node->scale = SavedVariable(scale, false);
+    node->stats = SavedVariable(std::get<1>(out), false);
+    node->rms = rms;
+    node->one_plus_scale = one_plus_scale;
+    if (defined(shift)) node->shift_dtype = shift->scalar_type();
+    node->eps = eps;
+    torch::autograd::set_history(std::get<0>(out), node);
+  }
   return std::get<0>(out);
 }
 

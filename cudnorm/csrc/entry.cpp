@@ -133,6 +133,54 @@ Tensor ada_torch_ops(const Tensor& input, const Tensor& scale, const Tensor& shi
   return at::addcmul(sh, xhat, gain);
 }
 
+// cudnorm._token_entry._check_call's fast branch: a modulation per token of input's shape,
+// plain, on its device, of its dtype or fp32 (shift may be absent)
+bool token_args(const Tensor& input, const Tensor& scale, const OptTensor& shift, double eps) {
+  bool ok = served(input) && input.dim() >= 2 && good_eps(eps);
+  for (const Tensor* p : {&scale, defined(shift) ? &*shift : &scale}) {
+    ok = ok && p->defined() && is_plain(*p) && p->sizes() == input.sizes() && p->get_device() == input.get_device() &&
+         (p->scalar_type() == input.scalar_type() || p->scalar_type() == at::kFloat);
+  }
+  return ok;
+}
+
+// cudnorm._token_ada.formula: the norm in input's dtype, the modulation in PyTorch's type
+// promotion, the result rounded to input's dtype
+Tensor token_formula(const Tensor& input, const Tensor& scale, const OptTensor& shift, double eps, bool one_plus_scale,
+                     bool rms) {
+  const int64_t d = input.size(-1);
+  Tensor xhat = rms ? at::rms_norm(input, {d}, std::nullopt, eps)
+                    : at::layer_norm(input, {d}, std::nullopt, std::nullopt, eps);
+  Tensor y = xhat * (one_plus_scale ? scale + 1 : scale);
+  if (defined(shift)) y = y + *shift;
+  return y.scalar_type() == input.scalar_type() ? y : y.to(input.scalar_type());
+}
+
+// [M, N] rows of a per-token modulation with unit column stride: a view where its rows are
+// evenly spaced (a chunk of a Linear's output), else a copy
+Tensor modulation_rows(const Tensor& t, int64_t n) {
+  Tensor rows = t.reshape({-1, n});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
+// the kernels on the call's rows, with their autograd node; the formula where they do not
+// compute it (a width or dtype they do not take)
+Tensor token_kernel(const Tensor& input, const Tensor& scale, const OptTensor& shift, double eps, bool one_plus_scale,
+                    bool rms, bool training) {
+  const int64_t d = input.size(-1);
+  const Tensor x = packed(input.reshape({-1, d}));
+  const Tensor sc = modulation_rows(scale, d);
+  const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
+  if (!token_kernel_computes(x, sc, sh, one_plus_scale, rms, training)) {
+    return token_formula(input, scale, shift, eps, one_plus_scale, rms);
+  }
+  return token_ada_norm_train(x, sc, sh, eps, one_plus_scale, rms).view(input.sizes());
+}
+
+bool token_training(const Tensor& input, const Tensor& scale, const OptTensor& shift) {
+  return at::GradMode::is_enabled() && (input.requires_grad() || scale.requires_grad() || requires_grad(shift));
+}
+
 }  // namespace
 
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
@@ -279,6 +327,34 @@ Tensor ada_layer_norm_entry(const Tensor& input, const Tensor& scale, const Tens
   const Tensor sh = shift.dim() == 2 ? shift : shift.reshape({b, d});
   Tensor y = ada_layer_norm_train(x, sc, sh, eps, one_plus_scale, training);
   return flat ? y : y.view(input.sizes());
+}
+
+Tensor token_ada_norm_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms) {
+  if (!token_args(input, scale, shift, eps)) {
+    return composite_py("token_ada_norm", {input, scale, shift}, {eps, double(one_plus_scale), double(rms)})[0];
+  }
+  const bool training = token_training(input, scale, shift);
+  const bool same = scale.scalar_type() == input.scalar_type() &&
+                    (!defined(shift) || shift->scalar_type() == input.scalar_type());
+  // cudnorm._token_entry.python_call's rules: under policy "cudnn" the kernels serve; under
+  // "auto" (or "torch") small same-dtype calls run the formula, larger ones the measured decision
+  const Settings& s = settings();
+  Server server = Server::Kernel;
+  if (s.policy_auto && same && input.numel() < s.cudnn_min_elements) {
+    server = Server::Torch;
+  } else if (s.policy_auto && s.measured) {
+    server = server_for(rms ? MeasuredOp::TokenRmsNorm : MeasuredOp::TokenLayerNorm, training, input,
+                        input.size(-1), scale, shift);
+  }
+  if (server == Server::Torch) return token_formula(input, scale, shift, eps, one_plus_scale, rms);
+  return token_kernel(input, scale, shift, eps, one_plus_scale, rms, training);
+}
+
+std::optional<Tensor> token_ada_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
+                                             double eps, bool one_plus_scale, bool rms) {
+  if (!token_args(input, scale, shift, eps)) return std::nullopt;
+  return token_kernel(input, scale, shift, eps, one_plus_scale, rms, token_training(input, scale, shift));
 }
 
 }  // namespace cudnorm

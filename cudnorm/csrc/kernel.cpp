@@ -1,5 +1,6 @@
 // cudnorm's own LayerNorm / RMSNorm kernels (cudnorm._norm_kernel), launched from C++: what
-// serves a call signature the measuring dispatcher gave to "kernel" (decisions.cpp).
+// serves a call signature the measuring dispatcher gave to "kernel" (decisions.cpp); and the
+// same forward modulated per token with its backward (cudnorm._token_ada).
 //
 // Python compiles the Triton kernel for a call signature (cudnorm._norm_kernel.native_launch,
 // through the recipe of Kind::KernelForward / KernelBackward) and C++ launches it through the
@@ -34,6 +35,16 @@ int32_t float_bits(double value) {
 
 bool fits_int32(int64_t v) { return v < std::numeric_limits<int32_t>::max(); }
 
+// A forward's statistics (training: LayerNorm fp32 [2, ceil4(M)] mean and rstd, RMSNorm [M]
+// rstd; not training: none, y's pointer standing in, unread) and where the kernel writes them
+std::tuple<Tensor, const void*, const void*> forward_stats(const Tensor& x, const Tensor& y, bool rms, bool training) {
+  if (!training) return {Tensor(), y.data_ptr(), y.data_ptr()};
+  const int64_t m = x.size(0);
+  Tensor stats = rms ? at::empty({m}, x.options().dtype(kF32)) : stats_buffer(m, 2, x.device());
+  const char* mean = static_cast<const char*>(stats.data_ptr());
+  return {stats, mean, rms ? mean : mean + 4 * stats.stride(0)};
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x_in, const OptTensor& weight, const OptTensor& bias,
@@ -52,13 +63,7 @@ std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x_in, const OptTensor& w
   const Tensor w = defined(weight) ? packed(*weight) : x;  // an absent parameter: x stands in, unread
   const Tensor bb = defined(b) ? packed(*b) : x;
   Tensor y = at::empty_like(x);
-  Tensor stats;
-  const void *mean = y.data_ptr(), *rstd = y.data_ptr();  // not training: unread
-  if (training) {
-    stats = rms ? at::empty({m}, x.options().dtype(kF32)) : stats_buffer(m, 2, x.device());
-    mean = stats.data_ptr();
-    rstd = rms ? mean : static_cast<const char*>(mean) + 4 * stats.stride(0);
-  }
+  auto [stats, mean, rstd] = forward_stats(x, y, rms, training);
   const KernelLaunch& k = recipe->kernel;
   // x, weight, bias, y, mean, rstd; rows, tiles, eps, seq (1: not modulated)
   launch_kernel(k, k.programs, {x.data_ptr(), w.data_ptr(), bb.data_ptr(), y.data_ptr(), mean, rstd},
@@ -117,6 +122,80 @@ std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy_in, const Te
                   {static_cast<int32_t>(k.programs)});
   }
   return {dx.view(x_in.sizes()), dw, db};
+}
+
+// ---------------------------------------------------------------- modulated per token
+
+int64_t token_row_stride(const Tensor& rows) { return rows.size(0) == 1 ? rows.size(1) : rows.stride(0); }
+
+RecipeRef token_recipe(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale, bool rms,
+                       bool training) {
+  // the row strides are compiled in (a model has one or two: its Linear's output width)
+  return recipe_for(Kind::TokenForward, x,
+                    {rms, training, one_plus_scale, dtype_code(scale), dtype_code(shift), token_row_stride(scale),
+                     defined(shift) ? token_row_stride(*shift) : x.size(1)},
+                    {});
+}
+
+bool token_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
+                           bool rms, bool training) {
+  return token_recipe(x, scale, shift, one_plus_scale, rms, training)->mode != Mode::Aten;
+}
+
+std::tuple<Tensor, Tensor> token_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                                         bool one_plus_scale, bool rms, bool training) {
+  c10::cuda::CUDAGuard guard(x.device());
+  auto python = [&] {
+    auto out = kernel_py("token_fwd", {x, scale, shift},
+                         {eps, double(one_plus_scale), double(rms), double(training)});
+    return std::make_tuple(out[0], training ? out[1] : Tensor());
+  };
+  const int64_t m = x.size(0);
+  // the kernel is compiled for 16-byte aligned pointers: a modulation starting elsewhere (a
+  // chunk of an odd width) takes Python's launch, which compiles for it
+  if (!settings().enabled || !is_packed(x) || !aligned16(scale.data_ptr()) ||
+      (defined(shift) && !aligned16(shift->data_ptr())) || !fits_int32(m)) {
+    return python();
+  }
+  RecipeRef recipe = token_recipe(x, scale, shift, one_plus_scale, rms, training);
+  if (recipe->mode != Mode::Kernel) return python();
+  Tensor y = at::empty_like(x);
+  auto [stats, mean, rstd] = forward_stats(x, y, rms, training);
+  const KernelLaunch& k = recipe->kernel;
+  // x, scale, shift, y, mean, rstd; rows, tiles, eps, seq (1: a modulation row per row)
+  launch_kernel(k, k.programs,
+                {x.data_ptr(), scale.data_ptr(), defined(shift) ? shift->data_ptr() : x.data_ptr(), y.data_ptr(),
+                 mean, rstd},
+                {static_cast<int32_t>(m), static_cast<int32_t>(k.tiles), float_bits(eps), 1});
+  return {y, stats};
+}
+
+std::tuple<Tensor, Tensor> token_backward(const Tensor& dy_in, const Tensor& x, const Tensor& scale,
+                                          const Tensor& stats, bool one_plus_scale, bool rms) {
+  c10::cuda::CUDAGuard guard(x.device());
+  auto python = [&] {
+    auto out = kernel_py("token_bwd", {dy_in, x, scale, stats}, {double(one_plus_scale), double(rms)});
+    return std::make_tuple(out[0], out[1]);
+  };
+  const int64_t m = x.size(0), n = x.size(1);
+  const char* mean = static_cast<const char*>(stats.data_ptr());
+  const char* rstd = rms ? mean : mean + 4 * stats.stride(0);
+  if (!settings().enabled || !is_packed(x) || !aligned16(scale.data_ptr()) || !aligned16(mean) || !aligned16(rstd) ||
+      !fits_int32(m)) {
+    return python();
+  }
+  RecipeRef recipe =
+      recipe_for(Kind::TokenBackward, x, {rms, one_plus_scale, dtype_code(scale), token_row_stride(scale)}, {});
+  if (recipe->mode != Mode::Kernel) return python();
+  const KernelLaunch& k = recipe->kernel;
+  const Tensor dy = packed(dy_in.reshape({m, n}));
+  Tensor dx = at::empty_like(x);
+  Tensor dscale = at::empty({m, n}, x.options().dtype(scale.scalar_type()));
+  // x, dy, scale, mean, rstd, dx, dscale; rows (every gradient is per row: nothing to sum)
+  launch_kernel(k, k.programs,
+                {x.data_ptr(), dy.data_ptr(), scale.data_ptr(), mean, rstd, dx.data_ptr(), dscale.data_ptr()},
+                {static_cast<int32_t>(m)});
+  return {dx, dscale};
 }
 
 }  // namespace cudnorm

@@ -13,7 +13,8 @@
 //   launch.cpp    pointer slots, single / chunked / per-sample launches
 //   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
 //   ada.cpp       adaptive LayerNorm forward and backward
-//   kernel.cpp    cudnorm's own LayerNorm / RMSNorm kernels (Triton-compiled), launched by handle
+//   kernel.cpp    cudnorm's own LayerNorm / RMSNorm kernels (Triton-compiled), launched by handle,
+//                 and the norms modulated per token
 //   autograd.cpp  the autograd nodes of the forward ops
 //   entry.cpp     the public entry points (argument checks, kernel policy, flattening)
 //   register.cpp  every registration with the dispatcher
@@ -57,6 +58,8 @@ enum class Kind : int64_t {
   AdaBackward = 3,
   KernelForward = 4,  // cudnorm's own norm kernels (kernel.cpp)
   KernelBackward = 5,
+  TokenForward = 6,  // a norm modulated per token (kernel.cpp, cudnorm._token_ada)
+  TokenBackward = 7,
 };
 
 // How a call signature is served. Python (cudnorm._native.resolve) decides; C++ executes.
@@ -64,7 +67,7 @@ enum class Mode : int64_t {
   Single = 0,     // one launch of plans[0]
   Chunked = 1,    // launches of chunk plans over row offsets (cudnorm._rows)
   PerSample = 2,  // plans[0] launched once per AdaLN sample
-  Aten = 3,       // PyTorch's fused kernel (LayerNorm / RMSNorm forward)
+  Aten = 3,       // PyTorch's fused kernel (LayerNorm / RMSNorm forward); per token: the formula's ops
   Python = 4,     // cudnorm's Python implementation (cases no plan serves)
   Kernel = 5,     // cudnorm's own compiled kernel (norm kernels, the fused AdaLN backward), launched by handle
 };
@@ -123,8 +126,8 @@ void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool 
 // kernel (kernel.cpp).
 enum class Server : int64_t { Cudnn = 0, Torch = 1, Kernel = 2 };
 // The ops C++ asks decisions for (cudnorm._candidates.Signature.op: "layer_norm", "rms_norm",
-// "ada_layer_norm")
-enum class MeasuredOp : int64_t { LayerNorm = 0, RmsNorm = 1, AdaLayerNorm = 2 };
+// "ada_layer_norm", "token_ada_layer_norm", "token_ada_rms_norm")
+enum class MeasuredOp : int64_t { LayerNorm = 0, RmsNorm = 1, AdaLayerNorm = 2, TokenLayerNorm = 3, TokenRmsNorm = 4 };
 // The measured decision of the call's signature (cudnorm._decisions): from the table, else
 // decided by Python (which may time the candidates on `input`). An adaptive LayerNorm's weight
 // and bias are its scale and shift ([B, n]).
@@ -185,6 +188,16 @@ std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x, const OptTensor& weig
 std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                                    const Tensor& stats, bool rms,
                                                    std::optional<at::ScalarType> bias_dtype);
+// A norm modulated per token (kernel.cpp): x [M, N] packed, scale and shift (or none) [M, N]
+// rows with unit column stride, any row stride. Whether the kernels compute the call (the
+// recipe; otherwise the formula's ops serve it), then (y, stats) forward, stats as
+// kernel_forward's, and (dx, dscale) backward, dscale in scale's dtype (dshift is dy itself).
+bool token_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
+                           bool rms, bool training);
+std::tuple<Tensor, Tensor> token_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                                         bool one_plus_scale, bool rms, bool training);
+std::tuple<Tensor, Tensor> token_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
+                                          const Tensor& stats, bool one_plus_scale, bool rms);
 // (y, stats) of an AdaLN forward on x [B, S, D] (ada.cpp); stats undefined when not training
 std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                                        bool one_plus_scale, bool training);
@@ -235,6 +248,9 @@ std::tuple<Tensor, Tensor> add_norm_train(const Tensor& x, const Tensor& residua
                                           const OptTensor& bias, double eps, bool training, bool rms, double offset);
 Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                             bool one_plus_scale, bool training);
+// the per-token norm's forward with its node (a gradient is needed) on token_forward's rows
+Tensor token_ada_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms);
 
 // The public entry points (entry.cpp): cudnorm.layer_norm & co. with the native path.
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
@@ -249,6 +265,13 @@ std::tuple<Tensor, Tensor> add_rms_norm_entry(const Tensor& input, const Tensor&
                                               std::optional<double> eps, double weight_offset);
 Tensor ada_layer_norm_entry(const Tensor& input, const Tensor& scale, const Tensor& shift, double eps,
                             bool one_plus_scale);
+// cudnorm.ada_layer_norm / ada_rms_norm with a modulation per token (scale and shift of input's
+// shape): the measured decision between the formula and the kernels. The kernel alone (what the
+// dispatcher times as "kernel"): nullopt where the native path does not serve these arguments.
+Tensor token_ada_norm_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms);
+std::optional<Tensor> token_ada_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
+                                             double eps, bool one_plus_scale, bool rms);
 // The gain and shift of an affine LayerNorm folded into its per-sample modulation, in `dtype`
 // (fold.cpp): (w * g, b * g + shift) with g = 1 + scale (or scale); one autograd node.
 std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,

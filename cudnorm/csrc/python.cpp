@@ -155,6 +155,41 @@ PyObject* ada_layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// The arguments of the per-token entry points: (input, scale, shift or None, eps, one_plus_scale, rms)
+struct TokenCall {
+  Tensor input, scale;
+  OptTensor shift;
+  double eps;
+  bool one_plus, rms;
+};
+
+TokenCall token_call(PyObject* const* args, Py_ssize_t nargs) {
+  arity(nargs, 6);
+  return {tensor(args[0]), tensor(args[1]), optional_tensor(args[2]), number(args[3]), boolean(args[4]),
+          boolean(args[5])};
+}
+
+// token_ada_norm(input, scale, shift or None, eps, one_plus_scale, rms): a norm modulated per token
+PyObject* token_ada_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TokenCall c = token_call(args, nargs);
+  return wrap(
+      unlocked([&] { return cudnorm::token_ada_norm_entry(c.input, c.scale, c.shift, c.eps, c.one_plus, c.rms); }));
+  END_HANDLE_TH_ERRORS
+}
+
+// token_ada_kernel(...): the same through the kernels without a decision (the dispatcher's
+// "kernel" candidate), or None where the native path does not serve these arguments
+PyObject* token_ada_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TokenCall c = token_call(args, nargs);
+  auto out =
+      unlocked([&] { return cudnorm::token_ada_kernel_entry(c.input, c.scale, c.shift, c.eps, c.one_plus, c.rms); });
+  if (!out.has_value()) Py_RETURN_NONE;
+  return wrap(std::move(*out));
+  END_HANDLE_TH_ERRORS
+}
+
 // affine_fold(scale, shift, weight, bias, one_plus_scale, like): (gain, shift) in like's dtype
 PyObject* affine_fold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -211,6 +246,10 @@ PyMethodDef methods[] = {
      nullptr},
     {"ada_layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ada_layer_norm)), METH_FASTCALL,
      nullptr},
+    {"token_ada_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(token_ada_norm)), METH_FASTCALL,
+     nullptr},
+    {"token_ada_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(token_ada_kernel)),
+     METH_FASTCALL, nullptr},
     {"affine_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(affine_fold)), METH_FASTCALL,
      nullptr},
     {nullptr, nullptr, 0, nullptr}};

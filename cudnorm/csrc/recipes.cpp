@@ -54,6 +54,8 @@ const char* kind_name(Kind kind) {
     case Kind::AdaBackward: return "ada_bwd";
     case Kind::KernelForward: return "kernel_fwd";
     case Kind::KernelBackward: return "kernel_bwd";
+    case Kind::TokenForward: return "token_fwd";
+    case Kind::TokenBackward: return "token_bwd";
   }
   return "?";
 }
