@@ -7,7 +7,8 @@ a freshly allocated output, ``Plan.run``, the op implementation, and the public 
 own kernel for comparison. Then the same for the backward; cudnorm's Triton kernels launched
 from Python, through Triton's launcher and through C++'s ``launch`` (the native path's), a norm
 forward alone and a per-token adaptive LayerNorm's training call (its Python autograd function
-by either launcher, C++'s node and launches, the public function) beside PyTorch's formula; and
+by either launcher, C++'s node and launches, the public function) beside PyTorch's formula, the
+same for the adaptive RMSNorm (per-sample modulation); and
 cProfiles of the API calls and of that training call (autograd on the calling thread, so the
 profile sees its backward).
 
@@ -127,15 +128,23 @@ def _token_training(fn, x, mod, dy):
 
 def launch_layers() -> dict:
     """Host us per call of cudnorm's Triton kernels launched from Python, by launcher."""
-    from cudnorm import _entry, _norm_kernel, _token_ada, _triton_launch
+    from cudnorm import _ada_rms, _entry, _norm_kernel, _token_ada, _triton_launch
 
     cpp = _triton_launch.native  # set once an earlier section's call activated the native path
-    served = _entry.native  # the per-token op's node and launches in C++ (csrc/kernel.cpp)
+    served = _entry.native  # the modulated ops' nodes and launches in C++ (csrc/kernel.cpp)
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
     mod = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
+    # the adaptive RMSNorm: 2 samples of M / 2 tokens, a [2, D] scale and shift
+    x_s = x.view(2, M // 2, N).clone().requires_grad_()
+    mod_s = torch.randn(2, 2 * N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy_s = dy.view(2, M // 2, N)
+
+    def ada_rms(x, scale, shift, eps, rms, one_plus):
+        return _ada_rms.kernel(x, scale, shift, eps, one_plus)
+
     times = {}
     for via, launcher in (("Triton's launcher", None), ("C++ launch", cpp)):
         if via == "C++ launch" and cpp is None:
@@ -146,17 +155,24 @@ def launch_layers() -> dict:
                 lambda: _norm_kernel.forward(x, w, w, 1e-5, False, True), CALLS, warmup=50)
             times[f"per-token kernel, training, Python autograd, {via}"] = wall_us_per_call(
                 _token_training(_token_ada.kernel, xg, mod, dy), CALLS // 4, warmup=20)
+            times[f"ada_rms_norm kernel, training, Python autograd, {via}"] = wall_us_per_call(
+                _token_training(ada_rms, x_s, mod_s, dy_s), CALLS // 4, warmup=20)
         finally:
             _triton_launch.native, _entry.native = cpp, served
     x3, mod3 = xg.detach().view(1, M, N).requires_grad_(), mod.detach().view(1, M, 2 * N).requires_grad_()
     public = {"kernel": _token_ada.kernel, "formula": _token_ada.formula,
               "ada_layer_norm": lambda x, scale, shift, eps, rms, one_plus: cudnorm.ada_layer_norm(x, scale, shift, eps,
                                                                                                   one_plus)}
+    public["ada_rms_norm kernel"] = ada_rms
+    public["ada_rms_norm formula"] = lambda x, scale, shift, eps, rms, one_plus: _ada_rms.formula(x, scale, shift, eps,
+                                                                                                  one_plus)
     for kind, fn in public.items():
-        args = (x3, mod3, dy.view(1, M, N)) if kind == "ada_layer_norm" else (xg, mod, dy)
-        times[f"per-token {kind}, training"] = wall_us_per_call(_token_training(fn, *args), CALLS // 4, warmup=20)
+        args = ((x3, mod3, dy.view(1, M, N)) if kind == "ada_layer_norm" else
+                (x_s, mod_s, dy_s) if kind.startswith("ada_rms_norm") else (xg, mod, dy))
+        kind = kind if kind.startswith("ada_rms_norm") else f"per-token {kind}"
+        times[f"{kind}, training"] = wall_us_per_call(_token_training(fn, *args), CALLS // 4, warmup=20)
         with torch.autograd.set_multithreading_enabled(False):  # no hand-off to autograd's device thread
-            times[f"per-token {kind}, training, one thread"] = wall_us_per_call(
+            times[f"{kind}, training, one thread"] = wall_us_per_call(
                 _token_training(fn, *args), CALLS // 4, warmup=20)
     return times
 

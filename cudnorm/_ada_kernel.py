@@ -247,7 +247,7 @@ _NATIVE_PARAMETERS = 6 * ["*"] + 7 * ["i32"]
 SCALE_STRIDE_ALIGN = 16
 
 
-def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_plus_scale: bool
+def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_plus_scale: bool, rms: bool = False
                   ) -> tuple[int, int, int, int, int] | None:
     """``(CUfunction, threads, shared bytes, chunks, scratch parameters)`` of the kernel that
     serves ``x2: [B*S, D]`` with a ``[B, D]`` scale of ``scale_dtype``, compiled for 16-byte
@@ -256,7 +256,9 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
     through the CUDA driver without coming back to Python (a Python launch from the autograd
     thread cost about 200 us of host time more than a C++ one on a lent H100). ``None`` where
     the compiled kernel is not the plain launch C++ makes (clusters, cooperative or PDL
-    launches, scratch memory, another parameter list): Python launches it then."""
+    launches, scratch memory, another parameter list): Python launches it then. ``rms``: the
+    adaptive RMSNorm's (no mean; its rstd ``[B*S]`` read with a statistics stride of 0,
+    csrc/kernel.cpp)."""
     rows, cols = x2.shape
     seq = rows // batch
     device = x2.device if x2.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
@@ -265,10 +267,10 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
         dtypes = (x2.dtype, x2.dtype, scale_dtype, _F32, x2.dtype, _F32)  # x, dy, scale, stats, dx, partial
         # the call's own width, x row stride and statistics stride (the recipe is per x layout),
         # a scale row stride divisible by 16 (C++ launches it only for such a scale)
-        stats_stride = -(-rows // 4) * 4
+        stats_stride = 0 if rms else -(-rows // 4) * 4
         compiled = _kernel().warmup(*dtypes, seq, cols, x2.stride(0), SCALE_STRIDE_ALIGN, stats_stride, chunks, batch,
                                     grid=(1,),
-                                    ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, RMS=False,
+                                    ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, RMS=rms,
                                     num_warps=warps)
         compiled.run  # noqa: B018 - loads the module: sets compiled.function
     launch = _triton_launch.handle(compiled, _NATIVE_PARAMETERS)

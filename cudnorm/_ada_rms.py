@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _ada_kernel, _norm_kernel
+from . import _ada_kernel, _entry, _norm_kernel
 
 _F32 = torch.float32
 
@@ -61,6 +61,24 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, rstd: tor
     return dx, sums[0].to(scale.dtype), None if shift_dtype is None else sums[1].to(shift_dtype)
 
 
+def differentiable_backward(dy2: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, eps: float,
+                            one_plus_scale: bool, shift_dtype: torch.dtype | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dx, dscale, dshift)`` in PyTorch's ops (the module docstring's math, in fp32 or wider),
+    differentiable: the gradients ``create_graph=True`` asks for. ``dy2``/``x2``: ``[B*S, D]``,
+    ``scale``: ``[B, D]``; each gradient in its input's dtype, ``dshift`` ``None`` without a shift."""
+    b, d = scale.shape
+    wide = torch.promote_types(x2.dtype, _F32)
+    x, dy = x2.to(wide).view(b, -1, d), dy2.to(wide).view(b, -1, d)
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    xhat = x * rstd
+    gain = scale.to(wide)[:, None]
+    g = dy * (gain + 1 if one_plus_scale else gain)
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dshift = None if shift_dtype is None else dy.sum(1).to(shift_dtype)
+    return dx.view_as(x2).to(x2.dtype), (dy * xhat).sum(1).to(scale.dtype), dshift
+
+
 class _KernelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, scale, shift, eps, one_plus_scale):
@@ -80,7 +98,13 @@ class _KernelFunction(torch.autograd.Function):
 def kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
            one_plus_scale: bool) -> torch.Tensor:
     """Adaptive RMSNorm of ``x: [B, *, D]`` through the kernels, with autograd; ``scale``/``shift``
-    ``[B, D]`` (``shift`` may be ``None``). Without gradients to compute no rstd is stored."""
+    ``[B, D]`` (``shift`` may be ``None``). Without gradients to compute no rstd is stored.
+    While the native path serves, C++ launches the kernels and holds the autograd node
+    (csrc/kernel.cpp)."""
+    if _entry.native and type(x) is torch.Tensor:
+        y = _entry.ada_rms_kernel(x, scale, shift, eps, one_plus_scale)
+        if y is not None:
+            return y
     b, d = x.shape[0], x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     sc = scale.reshape(b, d).contiguous()

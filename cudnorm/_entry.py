@@ -25,6 +25,8 @@ layer_norm = rms_norm = add_layer_norm = add_rms_norm = ada_layer_norm = None
 # a norm modulated per token (cudnorm._token_entry): the entry point with its measured decision,
 # and the kernels alone (None where the native path does not serve the arguments)
 token_ada_norm = token_ada_kernel = None
+# the adaptive RMSNorm through its kernels, with its C++ node (None where not served)
+ada_rms_kernel = None
 # the affine fold of a modulated LayerNorm (csrc/fold.cpp): (w * g, b * g + shift) in one
 # autograd node, for cudnorm.diffusers' forwards of affine norms followed by a modulation
 affine_fold = None

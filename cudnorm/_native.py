@@ -41,7 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_kernel, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
+from . import (_ada_kernel, _ada_rms, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
                _lru, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _token_ada, _token_entry, _triton_launch,
                _warn)
 from . import ada_layer_norm as _ada
@@ -369,6 +369,7 @@ def _sync() -> None:
     _entry.ada_layer_norm = module.ada_layer_norm
     _entry.affine_fold = module.affine_fold
     _entry.token_ada_norm, _entry.token_ada_kernel = module.token_ada_norm, module.token_ada_kernel
+    _entry.ada_rms_kernel = module.ada_rms_kernel
     _entry.native = serve
     _triton_launch.native = module.launch if serve else None  # Python's kernel launches through C++
 
@@ -576,11 +577,11 @@ def _resolve_kernel_backward(x: torch.Tensor, ints, floats) -> list[int]:
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
 
 
-def _resolve_token_forward(x: torch.Tensor, ints, floats) -> list[int]:
+def _resolve_modulated_forward(x: torch.Tensor, ints, floats) -> list[int]:
     rms, training, one_plus, scale_code, shift_code, scale_stride, shift_stride = ints
     scale_dtype, shift_dtype = _DTYPES[scale_code], _DTYPES.get(shift_code)
     if not _token_ada.supports(x.shape[1], x.dtype, scale_dtype, shift_dtype):
-        return _recipe(ATEN)  # the formula's ops serve it (csrc/entry.cpp)
+        return _recipe(ATEN)  # the formula's ops (or Python's implementation) serve it (csrc/entry.cpp)
     kernel = _norm_kernel.native_launch(x, bool(rms), bool(training), scale_dtype, shift_dtype,
                                         per_token=(bool(one_plus), scale_stride, shift_stride))
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
@@ -590,6 +591,15 @@ def _resolve_token_backward(x: torch.Tensor, ints, floats) -> list[int]:
     rms, one_plus, scale_code, scale_stride = ints
     kernel = _token_ada.native_launch(x, _DTYPES[scale_code], bool(rms), bool(one_plus), scale_stride)
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, kernel=kernel)
+
+
+def _resolve_ada_rms_backward(x2: torch.Tensor, ints, floats) -> list[int]:
+    b, scale_code, one_plus = ints
+    scale_dtype = _DTYPES[scale_code]
+    kernel = _ada_kernel.native_launch(x2, b, scale_dtype, bool(one_plus), rms=True) if _ada_kernel.available(
+        x2, scale_dtype) else None
+    # no grid of its own: C++ launches chunks per sample (programs and tiles unused)
+    return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, scale_dtype, kernel=(*kernel, 0, 0))
 
 
 _SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h
@@ -605,7 +615,8 @@ def _serve(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool
 _RESOLVERS = {"norm_fwd": _resolve_norm_forward, "norm_bwd": _resolve_norm_backward,
               "ada_fwd": _resolve_ada_forward, "ada_bwd": _resolve_ada_backward,
               "kernel_fwd": _resolve_kernel_forward, "kernel_bwd": _resolve_kernel_backward,
-              "token_fwd": _resolve_token_forward, "token_bwd": _resolve_token_backward}
+              "mod_fwd": _resolve_modulated_forward, "token_bwd": _resolve_token_backward,
+              "ada_rms_bwd": _resolve_ada_rms_backward}
 
 
 def resolve(kind: str, x: torch.Tensor, ints: list[int], floats: list[float]) -> list[int]:
@@ -657,10 +668,10 @@ def _kernel(name: str, tensors: list, scalars: list[float]) -> list[torch.Tensor
         dx, dw, db = _norm_kernel.backward(dy, x.contiguous(), weight, stats.view(-1, x.shape[0]) if rms else stats,
                                            bool(rms), _DTYPES.get(int(bias_code)))
         return [dx, _empty(x) if dw is None else dw, _empty(x) if db is None else db]
-    if name == "token_fwd":  # a norm modulated per token where C++ cannot launch the kernel
+    if name == "mod_fwd":  # a norm modulated per token or per sample where C++ cannot launch the kernel
         x, scale, shift = tensors
-        eps, one_plus, rms, training = scalars
-        y, stats = _norm_kernel.forward(x.contiguous(), scale, shift, eps, bool(rms), bool(training), seq=1,
+        eps, one_plus, rms, training, seq = scalars
+        y, stats = _norm_kernel.forward(x.contiguous(), scale, shift, eps, bool(rms), bool(training), seq=int(seq),
                                         one_plus=bool(one_plus))
         return [y, _empty(x) if stats is None else stats[0] if rms else stats]
     if name == "token_bwd":
@@ -668,6 +679,12 @@ def _kernel(name: str, tensors: list, scalars: list[float]) -> list[torch.Tensor
         one_plus, rms = scalars
         return list(_token_ada.backward(dy.contiguous(), x.contiguous(), scale,
                                         stats.view(-1, x.shape[0]) if rms else stats, bool(rms), bool(one_plus)))
+    if name == "ada_rms_bwd":
+        dy, x, scale, rstd = tensors
+        one_plus, shift_code = scalars
+        dx, dscale, dshift = _ada_rms.backward(dy, x.contiguous(), scale, rstd, bool(one_plus),
+                                               _DTYPES.get(int(shift_code)))
+        return [dx, dscale, _empty(x) if dshift is None else dshift]
     raise ValueError(f"cudnorm: no Python kernel {name!r}")
 
 
@@ -700,6 +717,12 @@ def _composite(name: str, tensors: list, scalars: list[float], shape) -> list[to
         eps, rms, one_plus, shift_code = scalars
         dx, dscale, dshift = _token_ada.differentiable_backward(dy, x, scale, eps, bool(rms), bool(one_plus),
                                                                _DTYPES.get(int(shift_code)))
+        return [dx, dscale, _empty(x) if dshift is None else dshift]
+    if name == "ada_rms_grad":
+        dy, x, scale = tensors
+        eps, _rms, one_plus, shift_code = scalars
+        dx, dscale, dshift = _ada_rms.differentiable_backward(dy, x, scale, eps, bool(one_plus),
+                                                              _DTYPES.get(int(shift_code)))
         return [dx, dscale, _empty(x) if dshift is None else dshift]
     if name in ("layer_norm_grad", "rms_norm_grad"):
         dy, x, weight = tensors

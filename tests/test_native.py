@@ -20,7 +20,7 @@ import interpreted
 import cudnorm
 from cudnorm import _ada_kernel, _entry, _lru, _native, _policy, _runtime
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.fixture
@@ -150,9 +150,9 @@ def test_kernel_recipes_carry_the_compiled_launch(resolve, monkeypatch, launch):
 
 @pytest.mark.parametrize("launch", [NORM_LAUNCH, None])
 def test_per_token_recipes_carry_the_compiled_launches(resolve, monkeypatch, launch):
-    """A norm modulated per token (kernel.cpp): the forward compiles the norm kernel modulated
-    with the call's row strides, the backward the per-token kernel; a width the kernels do not
-    take resolves to the formula's ops (ATEN), which the entry runs instead."""
+    """A norm modulated per token or per sample (kernel.cpp): the forward compiles the norm
+    kernel modulated with the call's row strides, the per-token backward its kernel; a width the
+    kernels do not take resolves to the formula's ops (ATEN), which the entry runs instead."""
     asked = []
 
     def norm_launch(x, rms, training, weight_dtype, bias_dtype, backward=False, per_token=None):
@@ -167,7 +167,7 @@ def test_per_token_recipes_carry_the_compiled_launches(resolve, monkeypatch, lau
     monkeypatch.setattr(_native._token_ada, "native_launch", token_launch)
     monkeypatch.setattr(_native._norm_kernel, "available", lambda: True)  # Triton (none in CPU CI)
     x = torch.randn(4096, 96, dtype=BF16)
-    forward = resolve("token_fwd", x, [1, 1, 1, _code(torch.float32), -1, 288, 96], [])
+    forward = resolve("mod_fwd", x, [1, 1, 1, _code(torch.float32), -1, 288, 96], [])
     backward = resolve("token_bwd", x, [0, 1, _code(BF16), 288], [])
     for recipe in (forward, backward):
         assert recipe["mode"] == (_native.KERNEL if launch else _native.PYTHON)
@@ -175,7 +175,7 @@ def test_per_token_recipes_carry_the_compiled_launches(resolve, monkeypatch, lau
     assert asked == [("fwd", (4096, 96), True, True, torch.float32, None, (True, 288, 96)),
                      ("bwd", (4096, 96), BF16, False, True, 288)]
     wide = torch.randn(8, _native._norm_kernel.MAX_COLS + 8, dtype=BF16)
-    assert resolve("token_fwd", wide, [0, 1, 1, _code(BF16), _code(BF16), wide.shape[1], wide.shape[1]],
+    assert resolve("mod_fwd", wide, [0, 1, 1, _code(BF16), _code(BF16), wide.shape[1], wide.shape[1]],
                    [])["mode"] == _native.ATEN
 
 
@@ -301,7 +301,7 @@ def _check_kernel_fallbacks():
     mod = 0.3 * torch.randn(24, 120)
     for rms, shift in ((False, mod[:, 40:80]), (True, None)):
         scale = mod[:, :40]
-        y, stats = _native._kernel("token_fwd", [x, scale, shift], [1e-5, 1.0, float(rms), 1.0])
+        y, stats = _native._kernel("mod_fwd", [x, scale, shift], [1e-5, 1.0, float(rms), 1.0, 1.0])
         assert stats.shape == ((24,) if rms else (2, 24))
         dx, dscale = _native._kernel("token_bwd", [dy, x, scale, stats], [1.0, float(rms)])
         leaves = [t.clone().requires_grad_() for t in (x, scale)]
@@ -310,6 +310,17 @@ def _check_kernel_fallbacks():
         torch.testing.assert_close(y, want)
         torch.testing.assert_close(dx, leaves[0].grad)
         torch.testing.assert_close(dscale, leaves[1].grad)
+    # the adaptive RMSNorm: [B, D] scale and shift, 8 rows a sample
+    from cudnorm import _ada_rms
+    scale, shift = mod[:3, :40], mod[:3, 40:80]
+    y, rstd = _native._kernel("mod_fwd", [x, scale, shift], [1e-5, 1.0, 1.0, 1.0, 8.0])
+    dx, dscale, dshift = _native._kernel("ada_rms_bwd", [dy, x, scale, rstd], [1.0, float(_native._CODES[F32])])
+    leaves = [t.clone().requires_grad_() for t in (x, scale, shift)]
+    want = _ada_rms.formula(leaves[0].view(3, 8, 40), *leaves[1:], 1e-5, True)
+    want.backward(dy.view(3, 8, 40))
+    torch.testing.assert_close(y, want.view(24, 40))
+    for got, leaf in zip((dx, dscale, dshift), leaves):
+        torch.testing.assert_close(got, leaf.grad)
     print("interpreted cases ok")
 
 
@@ -363,6 +374,44 @@ def test_per_token_fallbacks_take_the_arguments_cpp_passes(rms, shift):
     theirs = torch.autograd.grad((grads[0].square().sum() + grads[1].square().sum()), [x, scale])
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a.view_as(b), b)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_adaptive_rms_norm_gradients_for_create_graph(shift):
+    """autograd.cpp's "ada_rms_grad" (create_graph=True on the adaptive RMSNorm's node): the
+    formula's own autograd, to first and second order; its backward "ada_rms_bwd" recipe
+    compiles the fused AdaLN backward for RMSNorm."""
+    from cudnorm import _ada_rms
+
+    x = torch.randn(3, 8, 64, dtype=torch.float64, requires_grad=True)
+    scale = (0.3 * torch.randn(3, 64, dtype=torch.float64)).requires_grad_()
+    sh = (0.3 * torch.randn(3, 64, dtype=torch.float64)).requires_grad_() if shift else None
+    dy = torch.randn_like(x)
+    code = float(_native._CODES[torch.float64]) if shift else -1.0
+    dx, dscale, dshift = _native._composite("ada_rms_grad", [dy.view(24, 64), x.view(24, 64), scale],
+                                            [1e-6, 1.0, 1.0, code], [])
+    want = _ada_rms.formula(x, scale, sh, 1e-6, True)
+    grads = torch.autograd.grad(want, [x, scale] + ([sh] if shift else []), dy, create_graph=True)
+    torch.testing.assert_close(dx.view_as(x), grads[0])
+    torch.testing.assert_close(dscale, grads[1])
+    assert dshift.numel() == 0 if not shift else torch.allclose(dshift, grads[2])
+    mine = torch.autograd.grad(dx.square().sum() + dscale.square().sum(), [x, scale])
+    theirs = torch.autograd.grad(grads[0].square().sum() + grads[1].square().sum(), [x, scale])
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+
+
+def test_adaptive_rms_norm_backward_recipe(resolve, monkeypatch):
+    asked = []
+    monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: True)
+    monkeypatch.setattr(_ada_kernel, "native_launch",
+                        lambda x2, b, dtype, one_plus, rms=False: asked.append((b, dtype, one_plus, rms)) or LAUNCH)
+    recipe = resolve("ada_rms_bwd", torch.randn(4 * 256, 64, dtype=BF16), [4, _code(torch.float32), 1], [])
+    assert recipe["mode"] == _native.KERNEL and recipe["kernel"] == (*LAUNCH, 0, 0)
+    assert asked == [(4, torch.float32, True, True)]
+    monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: False)  # no Triton: Python's implementation
+    assert resolve("ada_rms_bwd", torch.randn(4 * 256, 64, dtype=BF16), [4, _code(BF16), 0], [])["mode"] == \
+        _native.PYTHON
 
 
 def test_differentiable_gradients_for_create_graph():

@@ -191,41 +191,69 @@ def test_kernel_served_calls_capture_into_cuda_graphs():
         assert loss.item() == pytest.approx(want.item(), rel=1e-2)
 
 
-@pytest.mark.parametrize("shift", [False, True])
-def test_python_kernel_launches_go_through_cpp(shift, monkeypatch):
-    """A kernel Python launches (the adaptive RMSNorm's forward and backward) goes through
-    C++'s launch while the native path serves: the same results as Triton's own launcher
-    (``native="off"``), bit for bit, and a capture into a CUDA graph replays it."""
-    from cudnorm import _ada_rms, _triton_launch
+@pytest.mark.parametrize("rms", [False, True])
+def test_python_kernel_launches_go_through_cpp(rms, monkeypatch):
+    """A kernel Python launches (the norm kernel's own autograd function: its forward, backward
+    and the weight gradient's sum) goes through C++'s launch while the native path serves: the
+    same results as Triton's own launcher (``native="off"``), bit for bit, and a capture into a
+    CUDA graph replays it."""
+    from cudnorm import _norm_kernel, _triton_launch
 
     real = _triton_launch.native
     assert real is not None
     launched = []
     monkeypatch.setattr(_triton_launch, "native", lambda *args: (launched.append(args[1]), real(*args)))
-    x = _bf16(2 * 300, 1152).view(2, 300, 1152)
-    mod = _bf16(2, 2 * 1152)  # scale and shift [B, D]
+    x = _bf16(600, 1152)
+    w = 1 + 0.1 * torch.randn(1152, device="cuda")
 
-    def call(x, mod):
-        scale, sh = mod.chunk(2, dim=-1)
-        return _ada_rms.kernel(x, scale, sh if shift else None, 1e-6, True)
+    def call(x, w):
+        return _norm_kernel.norm(x, w, None, 1e-6, rms)
 
-    via_cpp = _grads(call, [x, mod])
-    assert len(launched) >= 2  # forward, backward
+    via_cpp = _grads(call, [x, w])
+    assert len(launched) == 3  # forward, backward, the weight gradient's sum
     with cudnorm.config(native="off"):
         assert _triton_launch.native is None
-        via_triton = _grads(call, [x, mod])
+        via_triton = _grads(call, [x, w])
     for a, b in zip(via_cpp[0] + via_cpp[1], via_triton[0] + via_triton[1]):
         assert torch.equal(a, b)
     static_x = x.clone()
     with torch.no_grad():
-        call(static_x, mod)  # compiled and its handle found before the capture
+        call(static_x, w)  # compiled and its handle found before the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = call(static_x, mod)
-        static_x.copy_(x.flip(1))
+            y = call(static_x, w)
+        static_x.copy_(x.flip(0))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, call(x.flip(1), mod))
+        assert torch.equal(y, call(x.flip(0), w))
+
+
+@pytest.mark.parametrize("case", ["shift", "no-shift", "fp32-mod", "one-sample"])
+def test_adaptive_rms_norm_is_served_in_cpp(case):
+    """The adaptive RMSNorm's kernels (policy "cudnn") launch from C++ with its autograd node,
+    the second call from the recipe table; bit for bit Python's launches (``native="off"``)."""
+    b = 1 if case == "one-sample" else 2
+    x = _bf16(b * 300, 1152).view(b, 300, 1152)
+    mod = _bf16(b, 3 * 1152)
+    if case == "fp32-mod":
+        mod = mod.float()
+
+    def call(x, mod):
+        scale, shift, _ = mod.chunk(3, dim=-1)
+        return cudnorm.ada_rms_norm(x, scale, None if case == "no-shift" else shift, 1e-6)
+
+    with cudnorm.config(policy="cudnn"):
+        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
+        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
+        with torch.enable_grad():
+            node = call(x, mod.requires_grad_()).grad_fn.next_functions[0][0].name()  # under y's view
+        mod.requires_grad_(False)
+        with cudnorm.config(native="off"):
+            y_py, grads_py = _grads(call, [x, mod])
+    assert node == "CudnormAdaRMSNormBackward"
+    assert hits >= 2
+    for a, c in zip(y + grads, y_py + grads_py):
+        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("case", ["ln", "ln-no-shift", "rms", "rms-no-shift", "rms-fp32-mod", "misaligned"])

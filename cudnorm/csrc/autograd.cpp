@@ -195,14 +195,17 @@ struct AdaBackward : ModulatedBackward {
   }
 };
 
-// A norm modulated per token (kernel.cpp): every gradient is per row, nothing summed; dshift is
-// dy itself (in the shift's dtype).
-struct TokenAdaBackward : ModulatedBackward {
+// A norm modulated by cudnorm's kernels (kernel.cpp): per token (batch 0: every gradient per
+// row, nothing summed, dshift is dy itself in the shift's dtype) or per sample (the adaptive
+// RMSNorm, batch B: dscale and dshift summed over each sample's tokens).
+struct ModulatedNormBackward : ModulatedBackward {
   bool rms = false, one_plus_scale = false;
+  int64_t batch = 0;
   std::optional<at::ScalarType> shift_dtype;
   double eps = 0.0;
 
   std::string name() const override {
+    if (batch > 0) return "CudnormAdaRMSNormBackward";
     return rms ? "CudnormTokenAdaRMSNormBackward" : "CudnormTokenAdaLayerNormBackward";
   }
 
@@ -213,14 +216,17 @@ struct TokenAdaBackward : ModulatedBackward {
     Tensor xs = x.unpack(), sc = scale.unpack(), st = stats.unpack();
     if (at::GradMode::is_enabled()) {  // create_graph=True: the gradients must be differentiable
       const double shift_code = shift_dtype ? double(static_cast<int64_t>(*shift_dtype)) : -1.0;
-      auto g = composite_py("token_ada_grad", {dy, xs, sc}, {eps, double(rms), double(one_plus_scale), shift_code});
+      auto g = composite_py(batch > 0 ? "ada_rms_grad" : "token_ada_grad", {dy, xs, sc},
+                            {eps, double(rms), double(one_plus_scale), shift_code});
       out[0] = g[0];
       out[1] = g[1];
       if (shift_dtype) out[2] = g[2];
-      return computed(std::move(out));
+    } else if (batch > 0) {
+      std::tie(out[0], out[1], out[2]) = ada_rms_backward(dy, xs, sc, st, one_plus_scale, shift_dtype);
+    } else {
+      std::tie(out[0], out[1]) = token_backward(dy, xs, sc, st, one_plus_scale, rms);
+      if (shift_dtype) out[2] = dy.scalar_type() == *shift_dtype ? dy : dy.to(*shift_dtype);
     }
-    std::tie(out[0], out[1]) = token_backward(dy, xs, sc, st, one_plus_scale, rms);
-    if (shift_dtype) out[2] = dy.scalar_type() == *shift_dtype ? dy : dy.to(*shift_dtype);
     return computed(std::move(out));
   }
 };
@@ -408,22 +414,23 @@ Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& 
   return std::get<0>(out);
 }
 
-Tensor token_ada_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms) {
+Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms, int64_t batch) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || requires_grad(shift));
   std::tuple<Tensor, Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    out = token_forward(x, scale, shift, eps, one_plus_scale, rms, grad);
+    out = modulated_forward(x, scale, shift, eps, one_plus_scale, rms, grad, batch > 0 ? x.size(0) / batch : 1);
   }
   if (grad) {
-    auto node = make_node<TokenAdaBackward>();
+    auto node = make_node<ModulatedNormBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, scale, shift.value_or(Tensor())));
     node->x = SavedVariable(x, false);
     node->scale = SavedVariable(scale, false);
     node->stats = SavedVariable(std::get<1>(out), false);
     node->rms = rms;
     node->one_plus_scale = one_plus_scale;
+    node->batch = batch;
     if (defined(shift)) node->shift_dtype = shift->scalar_type();
     node->eps = eps;
     torch::autograd::set_history(std::get<0>(out), node);

@@ -171,10 +171,10 @@ Tensor token_kernel(const Tensor& input, const Tensor& scale, const OptTensor& s
   const Tensor x = packed(input.reshape({-1, d}));
   const Tensor sc = modulation_rows(scale, d);
   const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
-  if (!token_kernel_computes(x, sc, sh, one_plus_scale, rms, training)) {
+  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, rms, training)) {
     return token_formula(input, scale, shift, eps, one_plus_scale, rms);
   }
-  return token_ada_norm_train(x, sc, sh, eps, one_plus_scale, rms).view(input.sizes());
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, rms, 0).view(input.sizes());
 }
 
 bool token_training(const Tensor& input, const Tensor& scale, const OptTensor& shift) {
@@ -355,6 +355,27 @@ std::optional<Tensor> token_ada_kernel_entry(const Tensor& input, const Tensor& 
                                              double eps, bool one_plus_scale, bool rms) {
   if (!token_args(input, scale, shift, eps)) return std::nullopt;
   return token_kernel(input, scale, shift, eps, one_plus_scale, rms, token_training(input, scale, shift));
+}
+
+std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
+                                           double eps, bool one_plus_scale) {
+  // cudnorm.ada_rms_norm._check_call's fast branch: [B, *, D] input, scale/shift [B, 1.., D] of
+  // its dtype or fp32 on its device (shift may be absent)
+  bool ok = served(input) && input.dim() >= 2 && good_eps(eps);
+  const int64_t b = ok ? input.size(0) : 0, d = ok ? input.size(-1) : 0;
+  for (const Tensor* p : {&scale, defined(shift) ? &*shift : &scale}) {
+    ok = ok && p->defined() && is_plain(*p) && p->dim() >= 2 && p->size(0) == b && p->size(-1) == d &&
+         p->numel() == b * d && p->get_device() == input.get_device() &&
+         (p->scalar_type() == input.scalar_type() || p->scalar_type() == at::kFloat);
+  }
+  if (!ok) return std::nullopt;
+  const Tensor x = packed(input.reshape({-1, d}));
+  const Tensor sc = modulation_rows(scale, d);
+  const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
+  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, true, token_training(input, scale, shift))) {
+    return std::nullopt;
+  }
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b).view(input.sizes());
 }
 
 }  // namespace cudnorm

@@ -1,6 +1,7 @@
 // cudnorm's own LayerNorm / RMSNorm kernels (cudnorm._norm_kernel), launched from C++: what
 // serves a call signature the measuring dispatcher gave to "kernel" (decisions.cpp); and the
-// same forward modulated per token with its backward (cudnorm._token_ada).
+// same forward modulated per token (cudnorm._token_ada) or per sample (the adaptive RMSNorm,
+// cudnorm._ada_rms) with their backward kernels.
 //
 // Python compiles the Triton kernel for a call signature (cudnorm._norm_kernel.native_launch,
 // through the recipe of Kind::KernelForward / KernelBackward) and C++ launches it through the
@@ -124,30 +125,31 @@ std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy_in, const Te
   return {dx.view(x_in.sizes()), dw, db};
 }
 
-// ---------------------------------------------------------------- modulated per token
+// ---------------------------------------------------------------- modulated per token or per sample
 
-int64_t token_row_stride(const Tensor& rows) { return rows.size(0) == 1 ? rows.size(1) : rows.stride(0); }
+int64_t modulation_stride(const Tensor& rows) { return rows.size(0) == 1 ? rows.size(1) : rows.stride(0); }
 
-RecipeRef token_recipe(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale, bool rms,
-                       bool training) {
-  // the row strides are compiled in (a model has one or two: its Linear's output width)
-  return recipe_for(Kind::TokenForward, x,
-                    {rms, training, one_plus_scale, dtype_code(scale), dtype_code(shift), token_row_stride(scale),
-                     defined(shift) ? token_row_stride(*shift) : x.size(1)},
+RecipeRef modulated_recipe(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale, bool rms,
+                           bool training) {
+  // the row strides are compiled in (a model has one or two: its Linear's output width); the
+  // rows a modulation row serves (seq) are not
+  return recipe_for(Kind::ModulatedForward, x,
+                    {rms, training, one_plus_scale, dtype_code(scale), dtype_code(shift), modulation_stride(scale),
+                     defined(shift) ? modulation_stride(*shift) : x.size(1)},
                     {});
 }
 
-bool token_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
-                           bool rms, bool training) {
-  return token_recipe(x, scale, shift, one_plus_scale, rms, training)->mode != Mode::Aten;
+bool modulated_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
+                               bool rms, bool training) {
+  return modulated_recipe(x, scale, shift, one_plus_scale, rms, training)->mode != Mode::Aten;
 }
 
-std::tuple<Tensor, Tensor> token_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                                         bool one_plus_scale, bool rms, bool training) {
+std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                                             bool one_plus_scale, bool rms, bool training, int64_t seq) {
   c10::cuda::CUDAGuard guard(x.device());
   auto python = [&] {
-    auto out = kernel_py("token_fwd", {x, scale, shift},
-                         {eps, double(one_plus_scale), double(rms), double(training)});
+    auto out = kernel_py("mod_fwd", {x, scale, shift},
+                         {eps, double(one_plus_scale), double(rms), double(training), double(seq)});
     return std::make_tuple(out[0], training ? out[1] : Tensor());
   };
   const int64_t m = x.size(0);
@@ -157,16 +159,16 @@ std::tuple<Tensor, Tensor> token_forward(const Tensor& x, const Tensor& scale, c
       (defined(shift) && !aligned16(shift->data_ptr())) || !fits_int32(m)) {
     return python();
   }
-  RecipeRef recipe = token_recipe(x, scale, shift, one_plus_scale, rms, training);
+  RecipeRef recipe = modulated_recipe(x, scale, shift, one_plus_scale, rms, training);
   if (recipe->mode != Mode::Kernel) return python();
   Tensor y = at::empty_like(x);
   auto [stats, mean, rstd] = forward_stats(x, y, rms, training);
   const KernelLaunch& k = recipe->kernel;
-  // x, scale, shift, y, mean, rstd; rows, tiles, eps, seq (1: a modulation row per row)
+  // x, scale, shift, y, mean, rstd; rows, tiles, eps, seq (row r reads modulation row r / seq)
   launch_kernel(k, k.programs,
                 {x.data_ptr(), scale.data_ptr(), defined(shift) ? shift->data_ptr() : x.data_ptr(), y.data_ptr(),
                  mean, rstd},
-                {static_cast<int32_t>(m), static_cast<int32_t>(k.tiles), float_bits(eps), 1});
+                {static_cast<int32_t>(m), static_cast<int32_t>(k.tiles), float_bits(eps), static_cast<int32_t>(seq)});
   return {y, stats};
 }
 
@@ -185,7 +187,7 @@ std::tuple<Tensor, Tensor> token_backward(const Tensor& dy_in, const Tensor& x, 
     return python();
   }
   RecipeRef recipe =
-      recipe_for(Kind::TokenBackward, x, {rms, one_plus_scale, dtype_code(scale), token_row_stride(scale)}, {});
+      recipe_for(Kind::TokenBackward, x, {rms, one_plus_scale, dtype_code(scale), modulation_stride(scale)}, {});
   if (recipe->mode != Mode::Kernel) return python();
   const KernelLaunch& k = recipe->kernel;
   const Tensor dy = packed(dy_in.reshape({m, n}));
@@ -196,6 +198,39 @@ std::tuple<Tensor, Tensor> token_backward(const Tensor& dy_in, const Tensor& x, 
                 {x.data_ptr(), dy.data_ptr(), scale.data_ptr(), mean, rstd, dx.data_ptr(), dscale.data_ptr()},
                 {static_cast<int32_t>(m)});
   return {dx, dscale};
+}
+
+std::tuple<Tensor, Tensor, Tensor> ada_rms_backward(const Tensor& dy_in, const Tensor& x, const Tensor& scale,
+                                                    const Tensor& rstd, bool one_plus_scale,
+                                                    std::optional<at::ScalarType> shift_dtype) {
+  c10::cuda::CUDAGuard guard(x.device());
+  auto python = [&] {
+    const double shift_code = shift_dtype ? double(static_cast<int64_t>(*shift_dtype)) : -1.0;
+    auto out = kernel_py("ada_rms_bwd", {dy_in, x, scale, rstd}, {double(one_plus_scale), shift_code});
+    return std::make_tuple(out[0], out[1], shift_dtype ? out[2] : Tensor());
+  };
+  const int64_t b = scale.size(0), m = x.size(0), n = x.size(1);
+  const int64_t scale_stride = b > 1 ? scale.stride(0) : 16;  // one row: its stride is never read
+  // compiled for 16-byte aligned pointers and a scale row stride divisible by 16 (_ada_kernel.native_launch)
+  if (!settings().enabled || !is_packed(x) || !aligned16(scale.data_ptr()) || !aligned16(rstd.data_ptr()) ||
+      scale_stride % 16 != 0 || !fits_int32(m)) {
+    return python();
+  }
+  RecipeRef recipe = recipe_for(Kind::AdaRmsBackward, x, {b, dtype_code(scale), one_plus_scale}, {});
+  if (recipe->mode != Mode::Kernel) return python();
+  const KernelLaunch& k = recipe->kernel;
+  const Tensor dy = packed(dy_in.reshape({m, n}));
+  Tensor dx = at::empty_like(x);
+  Tensor partial = at::empty({2, b, k.chunks, n}, x.options().dtype(kF32));
+  // x, dy, scale, stats (the rstd), dx, partial; seq, cols, x / scale / statistics row strides
+  // (0: an RMSNorm has no mean row), chunks, batch
+  launch_kernel(k, b * k.chunks, {x.data_ptr(), dy.data_ptr(), scale.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+                                  partial.data_ptr()},
+                {static_cast<int32_t>(m / b), static_cast<int32_t>(n), static_cast<int32_t>(x.stride(0)),
+                 static_cast<int32_t>(scale_stride), 0, static_cast<int32_t>(k.chunks), static_cast<int32_t>(b)});
+  // the per-sample sums over chunks in a fixed order (deterministic), rounded once
+  Tensor sums = k.chunks == 1 ? partial.select(2, 0) : partial.sum(2);
+  return {dx, sums[0].to(scale.scalar_type()), shift_dtype ? sums[1].to(*shift_dtype) : Tensor()};
 }
 
 }  // namespace cudnorm

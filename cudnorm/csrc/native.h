@@ -14,7 +14,7 @@
 //   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
 //   ada.cpp       adaptive LayerNorm forward and backward
 //   kernel.cpp    cudnorm's own LayerNorm / RMSNorm kernels (Triton-compiled), launched by handle,
-//                 and the norms modulated per token
+//                 and the norms modulated per token or per sample (adaptive RMSNorm)
 //   autograd.cpp  the autograd nodes of the forward ops
 //   entry.cpp     the public entry points (argument checks, kernel policy, flattening)
 //   register.cpp  every registration with the dispatcher
@@ -58,8 +58,9 @@ enum class Kind : int64_t {
   AdaBackward = 3,
   KernelForward = 4,  // cudnorm's own norm kernels (kernel.cpp)
   KernelBackward = 5,
-  TokenForward = 6,  // a norm modulated per token (kernel.cpp, cudnorm._token_ada)
-  TokenBackward = 7,
+  ModulatedForward = 6,  // the norm kernel modulated per token or per sample (kernel.cpp)
+  TokenBackward = 7,     // per token (cudnorm._token_ada)
+  AdaRmsBackward = 8,    // the adaptive RMSNorm's (cudnorm._ada_rms)
 };
 
 // How a call signature is served. Python (cudnorm._native.resolve) decides; C++ executes.
@@ -188,16 +189,22 @@ std::tuple<Tensor, Tensor> kernel_forward(const Tensor& x, const OptTensor& weig
 std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy, const Tensor& x, const OptTensor& weight,
                                                    const Tensor& stats, bool rms,
                                                    std::optional<at::ScalarType> bias_dtype);
-// A norm modulated per token (kernel.cpp): x [M, N] packed, scale and shift (or none) [M, N]
-// rows with unit column stride, any row stride. Whether the kernels compute the call (the
-// recipe; otherwise the formula's ops serve it), then (y, stats) forward, stats as
-// kernel_forward's, and (dx, dscale) backward, dscale in scale's dtype (dshift is dy itself).
-bool token_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
-                           bool rms, bool training);
-std::tuple<Tensor, Tensor> token_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                                         bool one_plus_scale, bool rms, bool training);
+// A norm modulated per token or per sample (kernel.cpp): x [M, N] packed; scale and shift (or
+// none) rows with unit column stride, any row stride: [M, N] per token, [B, N] per sample.
+// Whether the kernels compute the call (the recipe; otherwise the formula's ops serve it), then
+// (y, stats) forward, row r reading modulation row r / seq, stats as kernel_forward's.
+bool modulated_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
+                               bool rms, bool training);
+std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                                             bool one_plus_scale, bool rms, bool training, int64_t seq);
+// per token: (dx, dscale), dscale in scale's dtype (dshift is dy itself)
 std::tuple<Tensor, Tensor> token_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
                                           const Tensor& stats, bool one_plus_scale, bool rms);
+// the adaptive RMSNorm's (per sample, [B, N] scale): (dx, dscale, dshift) with the per-sample
+// sums in scale's and shift's dtypes (dshift undefined without a shift)
+std::tuple<Tensor, Tensor, Tensor> ada_rms_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
+                                                    const Tensor& rstd, bool one_plus_scale,
+                                                    std::optional<at::ScalarType> shift_dtype);
 // (y, stats) of an AdaLN forward on x [B, S, D] (ada.cpp); stats undefined when not training
 std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                                        bool one_plus_scale, bool training);
@@ -248,9 +255,10 @@ std::tuple<Tensor, Tensor> add_norm_train(const Tensor& x, const Tensor& residua
                                           const OptTensor& bias, double eps, bool training, bool rms, double offset);
 Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                             bool one_plus_scale, bool training);
-// the per-token norm's forward with its node (a gradient is needed) on token_forward's rows
-Tensor token_ada_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms);
+// the modulated norm's forward with its node (a gradient is needed) on modulated_forward's
+// rows: per token (batch 0) or per sample (batch B, the adaptive RMSNorm)
+Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
+                            bool one_plus_scale, bool rms, int64_t batch);
 
 // The public entry points (entry.cpp): cudnorm.layer_norm & co. with the native path.
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
@@ -272,6 +280,11 @@ Tensor token_ada_norm_entry(const Tensor& input, const Tensor& scale, const OptT
                             bool one_plus_scale, bool rms);
 std::optional<Tensor> token_ada_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
                                              double eps, bool one_plus_scale, bool rms);
+// cudnorm._ada_rms.kernel (adaptive RMSNorm, [B, D] or [B, 1.., D] modulation) through the
+// kernels: nullopt where the native path does not serve these arguments or the kernels do not
+// compute them (Python's implementation then)
+std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
+                                           double eps, bool one_plus_scale);
 // The gain and shift of an affine LayerNorm folded into its per-sample modulation, in `dtype`
 // (fold.cpp): (w * g, b * g + shift) with g = 1 + scale (or scale); one autograd node.
 std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,

@@ -190,6 +190,21 @@ PyObject* token_ada_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// ada_rms_kernel(input, scale, shift or None, eps, one_plus_scale): the adaptive RMSNorm through
+// the kernels, or None where the native path does not serve these arguments
+PyObject* ada_rms_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  arity(nargs, 5);
+  Tensor input = tensor(args[0]), scale = tensor(args[1]);
+  OptTensor shift = optional_tensor(args[2]);
+  double eps = number(args[3]);
+  bool one_plus = boolean(args[4]);
+  auto out = unlocked([&] { return cudnorm::ada_rms_kernel_entry(input, scale, shift, eps, one_plus); });
+  if (!out.has_value()) Py_RETURN_NONE;
+  return wrap(std::move(*out));
+  END_HANDLE_TH_ERRORS
+}
+
 // affine_fold(scale, shift, weight, bias, one_plus_scale, like): (gain, shift) in like's dtype
 PyObject* affine_fold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -250,6 +265,8 @@ PyMethodDef methods[] = {
      nullptr},
     {"token_ada_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(token_ada_kernel)),
      METH_FASTCALL, nullptr},
+    {"ada_rms_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ada_rms_kernel)), METH_FASTCALL,
+     nullptr},
     {"affine_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(affine_fold)), METH_FASTCALL,
      nullptr},
     {nullptr, nullptr, 0, nullptr}};

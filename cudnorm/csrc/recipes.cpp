@@ -54,8 +54,9 @@ const char* kind_name(Kind kind) {
     case Kind::AdaBackward: return "ada_bwd";
     case Kind::KernelForward: return "kernel_fwd";
     case Kind::KernelBackward: return "kernel_bwd";
-    case Kind::TokenForward: return "token_fwd";
+    case Kind::ModulatedForward: return "mod_fwd";
     case Kind::TokenBackward: return "token_bwd";
+    case Kind::AdaRmsBackward: return "ada_rms_bwd";
   }
   return "?";
 }
