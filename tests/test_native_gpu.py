@@ -242,18 +242,9 @@ def test_adaptive_rms_norm_is_served_in_cpp(case):
         scale, shift, _ = mod.chunk(3, dim=-1)
         return cudnorm.ada_rms_norm(x, scale, None if case == "no-shift" else shift, 1e-6)
 
-    with cudnorm.config(policy="cudnn"):
-        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
-        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
-        with torch.enable_grad():
-            node = call(x, mod.requires_grad_()).grad_fn.next_functions[0][0].name()  # under y's view
-        mod.requires_grad_(False)
-        with cudnorm.config(native="off"):
-            y_py, grads_py = _grads(call, [x, mod])
+    node, hits = _modulated_in_cpp(call, x, mod)
     assert node == "CudnormAdaRMSNormBackward"
     assert hits >= 2
-    for a, c in zip(y + grads, y_py + grads_py):
-        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("case", ["ln", "ln-no-shift", "rms", "rms-no-shift", "rms-fp32-mod", "misaligned"])
@@ -274,18 +265,25 @@ def test_per_token_calls_are_served_in_cpp(case):
         scale, shift = mod[..., start:start + 1152], mod[..., start + 1152:start + 2304]
         return fn(x, scale, None if case.endswith("no-shift") else shift, 1e-6, one_plus_scale=True)
 
-    with cudnorm.config(policy="cudnn"):
-        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
-        (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
-        with torch.enable_grad():
-            node = call(x, mod.requires_grad_()).grad_fn.next_functions[0][0].name()  # under y's view
-        mod.requires_grad_(False)
-        with cudnorm.config(native="off"):
-            y_py, grads_py = _grads(call, [x, mod])
+    node, hits = _modulated_in_cpp(call, x, mod)
     assert node == ("CudnormTokenAdaRMSNormBackward" if rms else "CudnormTokenAdaLayerNormBackward")
     assert hits >= (1 if case == "misaligned" else 2)  # forward and backward (misaligned: the forward's key only)
+
+
+def _modulated_in_cpp(call, x, mod) -> tuple[str, int]:
+    """``call(x, mod)`` (a modulated norm under policy "cudnn": its kernels) twice through the
+    native path: its autograd node's name and the recipe-table hits of the second call; its
+    output and gradients bit for bit those of Python's launches (``native="off"``)."""
+    with cudnorm.config(policy="cudnn"):
+        for _ in range(2):
+            (y, grads), hits = _served(lambda: _grads(call, [x, mod]))
+        with torch.enable_grad():
+            node = call(x, mod.detach().requires_grad_()).grad_fn.next_functions[0][0].name()  # under y's view
+        with cudnorm.config(native="off"):
+            y_py, grads_py = _grads(call, [x, mod])
     for a, b in zip(y + grads, y_py + grads_py):
         assert torch.equal(a, b)
+    return node, hits
 
 
 @pytest.mark.parametrize("rms", [False, True])

@@ -155,24 +155,30 @@ PyObject* ada_layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// The arguments of the per-token entry points: (input, scale, shift or None, eps, one_plus_scale, rms)
-struct TokenCall {
+// The arguments of the modulated norms' entry points: (input, scale, shift or None, eps,
+// one_plus_scale[, rms]); the adaptive RMSNorm's take no rms flag
+struct ModulatedCall {
   Tensor input, scale;
   OptTensor shift;
   double eps;
   bool one_plus, rms;
 };
 
-TokenCall token_call(PyObject* const* args, Py_ssize_t nargs) {
-  arity(nargs, 6);
+ModulatedCall modulated_call(PyObject* const* args, Py_ssize_t nargs, bool with_rms) {
+  arity(nargs, with_rms ? 6 : 5);
   return {tensor(args[0]), tensor(args[1]), optional_tensor(args[2]), number(args[3]), boolean(args[4]),
-          boolean(args[5])};
+          with_rms ? boolean(args[5]) : true};
+}
+
+PyObject* wrap_or_none(std::optional<Tensor> out) {
+  if (!out.has_value()) Py_RETURN_NONE;
+  return wrap(std::move(*out));
 }
 
 // token_ada_norm(input, scale, shift or None, eps, one_plus_scale, rms): a norm modulated per token
 PyObject* token_ada_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TokenCall c = token_call(args, nargs);
+  ModulatedCall c = modulated_call(args, nargs, true);
   return wrap(
       unlocked([&] { return cudnorm::token_ada_norm_entry(c.input, c.scale, c.shift, c.eps, c.one_plus, c.rms); }));
   END_HANDLE_TH_ERRORS
@@ -182,11 +188,9 @@ PyObject* token_ada_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // "kernel" candidate), or None where the native path does not serve these arguments
 PyObject* token_ada_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TokenCall c = token_call(args, nargs);
-  auto out =
-      unlocked([&] { return cudnorm::token_ada_kernel_entry(c.input, c.scale, c.shift, c.eps, c.one_plus, c.rms); });
-  if (!out.has_value()) Py_RETURN_NONE;
-  return wrap(std::move(*out));
+  ModulatedCall c = modulated_call(args, nargs, true);
+  return wrap_or_none(
+      unlocked([&] { return cudnorm::token_ada_kernel_entry(c.input, c.scale, c.shift, c.eps, c.one_plus, c.rms); }));
   END_HANDLE_TH_ERRORS
 }
 
@@ -194,14 +198,9 @@ PyObject* token_ada_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // the kernels, or None where the native path does not serve these arguments
 PyObject* ada_rms_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  arity(nargs, 5);
-  Tensor input = tensor(args[0]), scale = tensor(args[1]);
-  OptTensor shift = optional_tensor(args[2]);
-  double eps = number(args[3]);
-  bool one_plus = boolean(args[4]);
-  auto out = unlocked([&] { return cudnorm::ada_rms_kernel_entry(input, scale, shift, eps, one_plus); });
-  if (!out.has_value()) Py_RETURN_NONE;
-  return wrap(std::move(*out));
+  ModulatedCall c = modulated_call(args, nargs, false);
+  return wrap_or_none(
+      unlocked([&] { return cudnorm::ada_rms_kernel_entry(c.input, c.scale, c.shift, c.eps, c.one_plus); }));
   END_HANDLE_TH_ERRORS
 }
 
