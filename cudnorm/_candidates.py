@@ -355,15 +355,18 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps):
 # to a candidate would change what its measurement finds, so decisions stored by an earlier
 # revision are measured again (2: cudnorm's kernel launched from C++ on the native path; 3: every
 # candidate charged its GPU plus its host time, not its GPU time alone; 4: the kernel's backward
-# sums its parameter gradients in one more launch of its own, not PyTorch's sum and casts).
-REVISION = 4
+# sums its parameter gradients in one more launch of its own, not PyTorch's sum and casts; 5: the
+# modulated ops' kernels, per token and the adaptive RMSNorm's, launch from C++ with their autograd
+# nodes, a third to a half of the host time of their Python autograd functions).
+REVISION = 5
 # candidate -> the revision in which it last changed what its measurement finds: a prior written
 # at an earlier revision (``cudnorm/priors/``, key ``candidates_revision``, 1 where absent) does
 # not stand for it (its kernel timings there include the Python launch's host time). Revision 3
 # changed no candidate: a prior's GPU times still screen out cliffs (a candidate 3x slower on
 # the GPU stays slower with its host time added), and a call that may not measure (CUDA-graph
 # capture) takes the prior's choice by GPU time, as before. Revision 4 made the kernel's backward
-# faster, so a prior of revisions 2-3 can only understate it: it still stands.
+# faster, so a prior of revisions 2-3 can only understate it: it still stands. Revision 5 changed
+# only the modulated ops, which no prior holds (the sweep writes LayerNorm and RMSNorm cells).
 CHANGED_IN = {"kernel": 2}
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has
