@@ -421,8 +421,9 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     checks each call) and the call's width, weight and bias dtypes. ``None`` where the compiled
     kernel is not the plain launch C++ makes (clusters, cooperative or PDL launches, scratch
     memory, another parameter list) or the row count needs 64-bit scalars: Python launches it then.
-    ``per_token``: ``(one_plus, scale row stride, shift row stride)`` compiles the forward
-    modulated per token (:mod:`cudnorm._token_ada`: weight and bias are its scale and shift).
+    ``per_token``: ``(one_plus, scale row stride, shift row stride)`` compiles the modulated
+    forward: weight and bias are the scale and shift, one row per token (:mod:`cudnorm._token_ada`)
+    or per sample (:mod:`cudnorm._ada_rms`), the rows a modulation row serves a runtime argument.
 
     A kernel launched from Python costs 0.3-0.5 ms more host time per training call than one
     launched from C++ (a lent H200, docs/performance.md), which decided narrow training calls
