@@ -378,4 +378,22 @@ std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& sc
   return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b).view(input.sizes());
 }
 
+std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& residual, const Tensor& branch,
+                                                             const Tensor& gate, const Tensor& scale,
+                                                             const Tensor& shift, double eps, bool one_plus_scale) {
+  // cudnorm._gated.supports and gated_ada_layer_norm's checks: [B, S, D] residual and branch,
+  // gate, scale and shift [B, 1.., D], all plain, of one dtype, on one device
+  bool ok = served(residual) && residual.dim() == 3 && good_eps(eps) && same_as_input(residual, branch);
+  const int64_t b = ok ? residual.size(0) : 0, d = ok ? residual.size(2) : 0;
+  for (const Tensor* p : {&gate, &scale, &shift}) {
+    ok = ok && p->defined() && is_plain(*p) && p->dim() >= 2 && p->size(0) == b && p->size(-1) == d &&
+         p->numel() == b * d && p->get_device() == residual.get_device() &&
+         p->scalar_type() == residual.scalar_type();
+  }
+  if (!ok) return std::nullopt;
+  // [B, D] views: their gradients reach the caller's shapes through autograd's view nodes
+  return gated_train(residual, branch, gate.reshape({b, d}), scale.reshape({b, d}), shift.reshape({b, d}), eps,
+                     one_plus_scale);
+}
+
 }  // namespace cudnorm
