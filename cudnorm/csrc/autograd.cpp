@@ -474,12 +474,12 @@ std::tuple<Tensor, Tensor> gated_train(const Tensor& residual, const Tensor& bra
 }
 
 Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms, int64_t batch) {
+                            bool one_plus_scale, bool rms, int64_t batch, const Recipe& recipe) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || requires_grad(shift));
   std::tuple<Tensor, Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    out = modulated_forward(x, scale, shift, eps, one_plus_scale, rms, grad, batch > 0 ? x.size(0) / batch : 1);
+    out = modulated_forward(x, scale, shift, eps, one_plus_scale, rms, grad, batch > 0 ? x.size(0) / batch : 1, recipe);
   }
   if (grad) {
     auto node = make_node<ModulatedNormBackward>();

@@ -171,10 +171,9 @@ Tensor token_kernel(const Tensor& input, const Tensor& scale, const OptTensor& s
   const Tensor x = packed(input.reshape({-1, d}));
   const Tensor sc = modulation_rows(scale, d);
   const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
-  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, rms, training)) {
-    return token_formula(input, scale, shift, eps, one_plus_scale, rms);
-  }
-  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, rms, 0).view(input.sizes());
+  const RecipeRef recipe = modulated_recipe(x, sc, sh, one_plus_scale, rms, training);
+  if (recipe->mode == Mode::Aten) return token_formula(input, scale, shift, eps, one_plus_scale, rms);
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, rms, 0, *recipe).view(input.sizes());
 }
 
 bool token_training(const Tensor& input, const Tensor& scale, const OptTensor& shift) {
@@ -372,10 +371,9 @@ std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& sc
   const Tensor x = packed(input.reshape({-1, d}));
   const Tensor sc = modulation_rows(scale, d);
   const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
-  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, true, token_training(input, scale, shift))) {
-    return std::nullopt;
-  }
-  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b).view(input.sizes());
+  const RecipeRef recipe = modulated_recipe(x, sc, sh, one_plus_scale, true, token_training(input, scale, shift));
+  if (recipe->mode == Mode::Aten) return std::nullopt;
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b, *recipe).view(input.sizes());
 }
 
 std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& residual, const Tensor& branch,

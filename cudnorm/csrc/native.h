@@ -193,12 +193,14 @@ std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy, const Tenso
                                                    std::optional<at::ScalarType> bias_dtype);
 // A norm modulated per token or per sample (kernel.cpp): x [M, N] packed; scale and shift (or
 // none) rows with unit column stride, any row stride: [M, N] per token, [B, N] per sample.
-// Whether the kernels compute the call (the recipe; otherwise the formula's ops serve it), then
-// (y, stats) forward, row r reading modulation row r / seq, stats as kernel_forward's.
-bool modulated_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
-                               bool rms, bool training);
+// The call's recipe (mode Aten: the formula's ops serve it, not the kernels), looked up once
+// by the caller; then (y, stats) forward on it, row r reading modulation row r / seq, stats as
+// kernel_forward's.
+RecipeRef modulated_recipe(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale, bool rms,
+                           bool training);
 std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                                             bool one_plus_scale, bool rms, bool training, int64_t seq);
+                                             bool one_plus_scale, bool rms, bool training, int64_t seq,
+                                             const Recipe& recipe);
 // per token: (dx, dscale), dscale in scale's dtype (dshift is dy itself)
 std::tuple<Tensor, Tensor> token_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
                                           const Tensor& stats, bool one_plus_scale, bool rms);
@@ -271,7 +273,7 @@ std::tuple<Tensor, Tensor> gated_train(const Tensor& residual, const Tensor& bra
 // the modulated norm's forward with its node (a gradient is needed) on modulated_forward's
 // rows: per token (batch 0) or per sample (batch B, the adaptive RMSNorm)
 Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms, int64_t batch);
+                            bool one_plus_scale, bool rms, int64_t batch, const Recipe& recipe);
 
 // The public entry points (entry.cpp): cudnorm.layer_norm & co. with the native path.
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
