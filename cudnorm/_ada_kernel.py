@@ -272,9 +272,42 @@ def native_launch(x2: torch.Tensor, batch: int, scale_dtype: torch.dtype, one_pl
                                     grid=(1,),
                                     ONE_PLUS_SCALE=one_plus_scale, BLOCK=block, ROWS=rows_per_program, RMS=rms,
                                     num_warps=warps)
-        compiled.run  # noqa: B018 - loads the module: sets compiled.function
-    launch = _triton_launch.handle(compiled, _NATIVE_PARAMETERS)
+        return _per_sample_launch(compiled, _NATIVE_PARAMETERS, chunks)  # loaded on the call's device
+
+
+def _per_sample_launch(compiled, parameters: list[str], chunks: int) -> tuple[int, int, int, int, int] | None:
+    """``(CUfunction, threads, shared bytes, chunks, scratch parameters)`` of a per-sample kernel
+    ``compiled`` (its module loaded here), or ``None`` where C++ cannot launch it plainly."""
+    compiled.run  # noqa: B018 - loads the module: sets compiled.function
+    launch = _triton_launch.handle(compiled, parameters)
     if launch is None:
         return None
     function, threads, shared, scratch = launch
     return function, threads, shared, chunks, scratch
+
+
+# the gated residual's compiled backward as C++ launches it (csrc/gated.cpp): ten pointers (h,
+# dy, dh, branch, gate, scale, stats, dres, dbranch, partial), then seven int32 (seq, cols, the
+# gate's, the scale's and the statistics' row strides, chunks, batch)
+_GATED_NATIVE_PARAMETERS = 10 * ["*"] + 7 * ["i32"]
+
+
+def gated_native_launch(h2: torch.Tensor, batch: int, dtype: torch.dtype, one_plus_scale: bool, has_dh: bool
+                        ) -> tuple[int, int, int, int, int] | None:
+    """``(CUfunction, threads, shared bytes, chunks, scratch parameters)`` of the gated residual's
+    backward serving ``h2: [B*S, D]`` (packed) with gate and scale ``[B, D]`` of ``dtype``,
+    compiled for 16-byte aligned pointers, gate and scale row strides divisible by 16 and
+    statistics rows ``ceil4(B*S)`` apart (csrc/gated.cpp checks each call against these);
+    ``None`` where the compiled kernel is not the plain launch C++ makes."""
+    rows, cols = h2.shape
+    seq = rows // batch
+    device = h2.device if h2.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.device(device):
+        rows_per_program, chunks, block, warps = launch_shape(batch, seq, cols, _sm_count(device.index))
+        x = h2.dtype
+        dtypes = (x, x, x, x, dtype, dtype, _F32, x, x, _F32)
+        compiled = _gated_kernel().warmup(*dtypes, seq, cols, SCALE_STRIDE_ALIGN, SCALE_STRIDE_ALIGN,
+                                          -(-rows // 4) * 4, chunks, batch, grid=(1,),
+                                          ONE_PLUS_SCALE=one_plus_scale, HAS_DH=has_dh, BLOCK=block,
+                                          ROWS=rows_per_program, num_warps=warps)
+        return _per_sample_launch(compiled, _GATED_NATIVE_PARAMETERS, chunks)  # loaded on the call's device

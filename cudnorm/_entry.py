@@ -27,6 +27,8 @@ layer_norm = rms_norm = add_layer_norm = add_rms_norm = ada_layer_norm = None
 token_ada_norm = token_ada_kernel = None
 # the adaptive RMSNorm through its kernels, with its C++ node (None where not served)
 ada_rms_kernel = None
+# the gated residual's fused op with its C++ node: (y, h), or None where not served
+gated_kernel = None
 # the affine fold of a modulated LayerNorm (csrc/fold.cpp): (w * g, b * g + shift) in one
 # autograd node, for cudnorm.diffusers' forwards of affine norms followed by a modulation
 affine_fold = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ada_kernel
+from . import _ada_kernel, _entry
 
 _F32 = torch.float32
 
@@ -73,5 +73,32 @@ class _FusedGated(torch.autograd.Function):
 
 def fused(residual: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
           eps: float, one_plus_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, h)`` by the fused op (a call :func:`supports`); gradients to all five tensors."""
+    """``(y, h)`` by the fused op (a call :func:`supports`); gradients to all five tensors. While
+    the native path serves, C++ runs it with its autograd node and launches the backward kernel
+    (csrc/gated.cpp)."""
+    if _entry.native and type(residual) is torch.Tensor:
+        out = _entry.gated_kernel(residual, branch, gate, scale, shift, eps, one_plus_scale)
+        if out is not None:
+            return out
     return _FusedGated.apply(residual, branch, gate, scale, shift, eps, one_plus_scale)
+
+
+def differentiable_backward(dy: torch.Tensor | None, dh: torch.Tensor | None, h: torch.Tensor, branch: torch.Tensor,
+                            gate: torch.Tensor, scale: torch.Tensor, eps: float, one_plus_scale: bool
+                            ) -> tuple[torch.Tensor, ...]:
+    """``(dresidual, dbranch, dgate, dscale, dshift)`` of the fused op in PyTorch's ops (in fp32 or
+    wider), differentiable: the gradients ``create_graph=True`` asks for. ``h``, ``branch``, ``dy``
+    and ``dh`` (either may be ``None``): ``[B, S, D]``; ``gate``, ``scale``: ``[B, D]``."""
+    wide = torch.promote_types(h.dtype, _F32)
+    centred = h.to(wide) - h.to(wide).mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps)
+    xhat = centred * rstd
+    grad_y = torch.zeros_like(xhat) if dy is None else dy.to(wide)
+    gain = scale.to(wide)[:, None]
+    g = grad_y * (gain + 1 if one_plus_scale else gain)
+    total = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dh is not None:
+        total = total + dh.to(wide)
+    return (total.to(h.dtype), (total * gate.to(wide)[:, None]).to(h.dtype),
+            (branch.to(wide) * total).sum(1).to(gate.dtype), (grad_y * xhat).sum(1).to(scale.dtype),
+            grad_y.sum(1).to(scale.dtype))

@@ -41,9 +41,9 @@ from types import SimpleNamespace
 
 import torch
 
-from . import (_ada_kernel, _ada_rms, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _graphs, _norm,
-               _lru, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _token_ada, _token_entry, _triton_launch,
-               _warn)
+from . import (_ada_kernel, _ada_rms, _ada_strategies, _cache, _decisions, _dispatch, _entry, _fused_add, _gated,
+               _graphs, _lru, _norm, _norm_kernel, _ops, _recording, _rows, _runtime, _settings, _token_ada,
+               _token_entry, _triton_launch, _warn)
 from . import ada_layer_norm as _ada
 from . import layer_norm as _layer_norm
 from . import rms_norm as _rms_norm
@@ -369,7 +369,7 @@ def _sync() -> None:
     _entry.ada_layer_norm = module.ada_layer_norm
     _entry.affine_fold = module.affine_fold
     _entry.token_ada_norm, _entry.token_ada_kernel = module.token_ada_norm, module.token_ada_kernel
-    _entry.ada_rms_kernel = module.ada_rms_kernel
+    _entry.ada_rms_kernel, _entry.gated_kernel = module.ada_rms_kernel, module.gated_kernel
     _entry.native = serve
     _triton_launch.native = module.launch if serve else None  # Python's kernel launches through C++
 
@@ -602,6 +602,15 @@ def _resolve_ada_rms_backward(x2: torch.Tensor, ints, floats) -> list[int]:
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, scale_dtype, kernel=(*kernel, 0, 0))
 
 
+def _resolve_gated_backward(h2: torch.Tensor, ints, floats) -> list[int]:
+    b, has_dh, one_plus, scale_code = ints
+    dtype = _DTYPES[scale_code]
+    kernel = _ada_kernel.gated_native_launch(h2, b, dtype, bool(one_plus), bool(has_dh)) if _ada_kernel.available(
+        h2, dtype) else None
+    # no grid of its own: C++ launches chunks per sample (programs and tiles unused)
+    return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, dtype, kernel=(*kernel, 0, 0))
+
+
 _SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h
 
 
@@ -616,7 +625,7 @@ _RESOLVERS = {"norm_fwd": _resolve_norm_forward, "norm_bwd": _resolve_norm_backw
               "ada_fwd": _resolve_ada_forward, "ada_bwd": _resolve_ada_backward,
               "kernel_fwd": _resolve_kernel_forward, "kernel_bwd": _resolve_kernel_backward,
               "mod_fwd": _resolve_modulated_forward, "token_bwd": _resolve_token_backward,
-              "ada_rms_bwd": _resolve_ada_rms_backward}
+              "ada_rms_bwd": _resolve_ada_rms_backward, "gated_bwd": _resolve_gated_backward}
 
 
 def resolve(kind: str, x: torch.Tensor, ints: list[int], floats: list[float]) -> list[int]:
@@ -685,6 +694,14 @@ def _kernel(name: str, tensors: list, scalars: list[float]) -> list[torch.Tensor
         dx, dscale, dshift = _ada_rms.backward(dy, x.contiguous(), scale, rstd, bool(one_plus),
                                                _DTYPES.get(int(shift_code)))
         return [dx, dscale, _empty(x) if dshift is None else dshift]
+    if name == "gated_bwd":  # the gated residual's backward where C++ cannot launch the kernel
+        dy, dh, h, branch, gate, scale, stats = tensors
+        b, d = gate.shape
+        rows = h.numel() // d
+        return list(_ada_kernel.gated_backward(dy.reshape(rows, d).contiguous(), h.reshape(rows, d), b, scale, stats,
+                                               bool(scalars[0]),
+                                               None if dh is None else dh.reshape(rows, d).contiguous(),
+                                               branch.reshape(rows, d).contiguous(), gate))
     raise ValueError(f"cudnorm: no Python kernel {name!r}")
 
 
@@ -724,6 +741,10 @@ def _composite(name: str, tensors: list, scalars: list[float], shape) -> list[to
         dx, dscale, dshift = _ada_rms.differentiable_backward(dy, x, scale, eps, bool(one_plus),
                                                               _DTYPES.get(int(shift_code)))
         return [dx, dscale, _empty(x) if dshift is None else dshift]
+    if name == "gated_grad":
+        dy, dh, h, branch, gate, scale = tensors
+        eps, one_plus = scalars
+        return list(_gated.differentiable_backward(dy, dh, h, branch, gate, scale, eps, bool(one_plus)))
     if name in ("layer_norm_grad", "rms_norm_grad"):
         dy, x, weight = tensors
         eps, offset = scalars

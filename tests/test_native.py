@@ -321,6 +321,21 @@ def _check_kernel_fallbacks():
     torch.testing.assert_close(y, want.view(24, 40))
     for got, leaf in zip((dx, dscale, dshift), leaves):
         torch.testing.assert_close(got, leaf.grad)
+    # the gated residual's backward: 3 samples of 8 rows, gradients at y and h
+    from cudnorm import _gated
+    residual, branch = x.view(3, 8, 40), torch.randn(3, 8, 40)
+    gate, scale, shift = mod[:3, :40], mod[:3, 40:80], mod[:3, 80:]
+    h = residual + gate[:, None] * branch
+    stats = torch.zeros(2, 24)
+    stats[0] = h.reshape(24, 40).mean(-1)
+    stats[1] = torch.rsqrt(h.reshape(24, 40).var(-1, unbiased=False) + 1e-6)
+    dh = torch.randn(3, 8, 40)
+    dres, dbranch, sums = _native._kernel("gated_bwd", [dy.view(3, 8, 40), dh, h, branch, gate, scale, stats], [1.0])
+    leaves = [t.clone().requires_grad_() for t in (residual, branch, gate, scale, shift)]
+    want_y, want_h = _gated.formula(*leaves, 1e-6, True)
+    torch.autograd.backward((want_y, want_h), (dy.view(3, 8, 40), dh))
+    for got, leaf in zip((dres.view(3, 8, 40), dbranch.view(3, 8, 40), sums[2], sums[0], sums[1]), leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-4)
     print("interpreted cases ok")
 
 
@@ -412,6 +427,48 @@ def test_adaptive_rms_norm_backward_recipe(resolve, monkeypatch):
     monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: False)  # no Triton: Python's implementation
     assert resolve("ada_rms_bwd", torch.randn(4 * 256, 64, dtype=BF16), [4, _code(BF16), 0], [])["mode"] == \
         _native.PYTHON
+
+
+@pytest.mark.parametrize("dy, dh", [(True, True), (True, False), (False, True)])
+def test_gated_residual_gradients_for_create_graph(dy, dh):
+    """autograd.cpp's "gated_grad" (create_graph=True on the gated residual's node): the formula's
+    own autograd, to first and second order, with gradients reaching y, h or both."""
+    from cudnorm import _gated
+
+    f64 = torch.float64
+    leaves = [torch.randn(2, 8, 64, dtype=f64), torch.randn(2, 8, 64, dtype=f64)] + \
+        [0.3 * torch.randn(2, 64, dtype=f64) for _ in range(3)]
+    leaves = [t.requires_grad_() for t in leaves]
+    y, h = _gated.formula(*leaves, 1e-6, True)
+    gy = torch.randn_like(y) if dy else None
+    gh = torch.randn_like(h) if dh else None
+    mine = _native._composite("gated_grad", [gy, gh, h, leaves[1], leaves[2], leaves[3]], [1e-6, 1.0], [])
+    outputs, cotangents = zip(*[(o, c) for o, c in ((y, gy), (h, gh)) if c is not None])
+    theirs = torch.autograd.grad(outputs, leaves, cotangents, create_graph=True, allow_unused=True)
+    theirs = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(theirs, leaves)]  # h alone: no dscale
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+    def second_order(grads):
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), leaves[:4], retain_graph=True,
+                                   allow_unused=True)
+
+    for a, b in zip(second_order(mine), second_order(theirs)):
+        assert (a is None) == (b is None) or (a if b is None else b).abs().max() == 0
+        if a is not None and b is not None:
+            torch.testing.assert_close(a, b)
+
+
+def test_gated_residual_backward_recipe(resolve, monkeypatch):
+    asked = []
+    monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: True)
+    monkeypatch.setattr(_ada_kernel, "gated_native_launch",
+                        lambda h2, b, dtype, one_plus, has_dh: asked.append((b, dtype, one_plus, has_dh)) or LAUNCH)
+    h2 = torch.randn(4 * 256, 64, dtype=BF16)
+    recipe = resolve("gated_bwd", h2, [4, 1, 1, _code(BF16)], [])
+    assert recipe["mode"] == _native.KERNEL and recipe["kernel"] == (*LAUNCH, 0, 0)
+    assert asked == [(4, BF16, True, True)]
+    monkeypatch.setattr(_ada_kernel, "available", lambda x2, dtype: False)  # no Triton: Python's implementation
+    assert resolve("gated_bwd", h2, [4, 0, 1, _code(BF16)], [])["mode"] == _native.PYTHON
 
 
 def test_differentiable_gradients_for_create_graph():

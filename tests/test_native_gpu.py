@@ -286,6 +286,35 @@ def _modulated_in_cpp(call, x, mod) -> tuple[str, int]:
     return node, hits
 
 
+@pytest.mark.parametrize("outputs", ["y and h", "y"])
+def test_gated_residual_is_served_in_cpp(outputs):
+    """The gated residual's fused op (DiT's chunks of one Linear output, [B, 1, 6D]) runs in C++:
+    its forward, its autograd node and the backward kernel, the second call from the recipe
+    table; bit for bit Python's autograd function (``native="off"``), with gradients reaching
+    both outputs or y alone."""
+    from cudnorm import _gated
+
+    residual, branch = _bf16(2 * 300, 1152).view(2, 300, 1152), _bf16(2 * 300, 1152).view(2, 300, 1152)
+    mod = _bf16(2, 6 * 1152).view(2, 1, -1)
+
+    def call(residual, branch, mod):
+        shift, scale, gate = mod.chunk(6, dim=-1)[:3]
+        y, h = _gated.fused(residual, branch, gate, scale, shift, 1e-6, True)
+        return (y, h) if outputs == "y and h" else y
+
+    for _ in range(2):
+        (out, grads), hits = _served(lambda: _grads(call, [residual, branch, mod]))
+    with torch.enable_grad():
+        y = call(residual, branch, mod.detach().requires_grad_())
+    node = (y[0] if isinstance(y, tuple) else y).grad_fn.name()
+    with cudnorm.config(native="off"):
+        out_py, grads_py = _grads(call, [residual, branch, mod])
+    assert node == "CudnormGatedAdaLayerNormBackward"
+    assert hits >= 2  # the AdaLN forward's recipe and the backward's
+    for a, b in zip(out + grads, out_py + grads_py):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_per_token_double_backward_and_capture(rms):
     """Gradients of gradients through the per-token node (create_graph: PyTorch's differentiable

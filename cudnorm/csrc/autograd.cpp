@@ -231,6 +231,38 @@ struct ModulatedNormBackward : ModulatedBackward {
   }
 };
 
+// A gated residual into an adaptive LayerNorm (gated.cpp): gradients to residual, branch, gate,
+// scale and shift from dy and the stream's own gradient dh (either may be absent).
+struct GatedAdaBackward : ModulatedBackward {  // x: the normalised stream h, an output of this node
+  SavedVariable branch, gate;
+  bool one_plus_scale = false;
+  double eps = 0.0;
+
+  std::string name() const override { return "CudnormGatedAdaLayerNormBackward"; }
+  void release_variables() override {
+    ModulatedBackward::release_variables();
+    branch.reset_data();
+    gate.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const Tensor &dy = grads[0], &dh = grads[1];
+    variable_list out(5);
+    if (!dy.defined() && !dh.defined()) return out;
+    Tensor hs = x.unpack(shared_from_this()), br = branch.unpack(), gt = gate.unpack(), sc = scale.unpack();
+    OptTensor dyo = dy.defined() ? OptTensor(dy) : std::nullopt, dho = dh.defined() ? OptTensor(dh) : std::nullopt;
+    if (at::GradMode::is_enabled()) {  // create_graph=True: the gradients must be differentiable
+      auto g = composite_py("gated_grad", {dyo, dho, hs, br, gt, sc}, {eps, double(one_plus_scale)});
+      return computed({g[0], g[1], g[2], g[3], g[4]});
+    }
+    auto [dres, dbranch, sums] =
+        gated_backward(dy.defined() ? dy : at::zeros_like(hs), dho, hs, br, gt, sc, stats.unpack(), one_plus_scale);
+    // sums: dscale, dshift, dgate in fp32, each rounded once to its parameter's dtype (one dtype: the call's)
+    Tensor rounded = sums.scalar_type() == gt.scalar_type() ? sums : sums.to(gt.scalar_type());
+    return computed({dres.view(hs.sizes()), dbranch.view(hs.sizes()), rounded[2], rounded[0], rounded[1]});
+  }
+};
+
 template <typename T>
 std::shared_ptr<T> make_node() {
   return std::shared_ptr<T>(new T(), torch::autograd::deleteNode);
@@ -414,13 +446,40 @@ Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& 
   return std::get<0>(out);
 }
 
+std::tuple<Tensor, Tensor> gated_train(const Tensor& residual, const Tensor& branch, const Tensor& gate,
+                                       const Tensor& scale, const Tensor& shift, double eps, bool one_plus_scale) {
+  const bool grad = at::GradMode::is_enabled() && (residual.requires_grad() || branch.requires_grad() ||
+                                                   gate.requires_grad() || scale.requires_grad() ||
+                                                   shift.requires_grad());
+  Tensor h, y, stats;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    h = at::addcmul(residual, gate.unsqueeze(1), branch);
+    std::tie(y, stats) = ada_forward(h, scale, shift, eps, one_plus_scale, grad);
+  }
+  if (grad) {
+    auto node = make_node<GatedAdaBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(residual, branch, gate, scale, shift));
+    torch::autograd::set_history(y, node);
+    torch::autograd::set_history(h, node);
+    node->x = SavedVariable(h, true);  // an output of this node: saved without a cycle
+    node->branch = SavedVariable(branch, false);
+    node->gate = SavedVariable(gate, false);
+    node->scale = SavedVariable(scale, false);
+    node->stats = SavedVariable(stats, false);
+    node->one_plus_scale = one_plus_scale;
+    node->eps = eps;
+  }
+  return {y, h};
+}
+
 Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms, int64_t batch) {
+                            bool one_plus_scale, bool rms, int64_t batch, const Recipe& recipe) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || requires_grad(shift));
   std::tuple<Tensor, Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    out = modulated_forward(x, scale, shift, eps, one_plus_scale, rms, grad, batch > 0 ? x.size(0) / batch : 1);
+    out = modulated_forward(x, scale, shift, eps, one_plus_scale, rms, grad, batch > 0 ? x.size(0) / batch : 1, recipe);
   }
   if (grad) {
     auto node = make_node<ModulatedNormBackward>();

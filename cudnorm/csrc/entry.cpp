@@ -171,10 +171,9 @@ Tensor token_kernel(const Tensor& input, const Tensor& scale, const OptTensor& s
   const Tensor x = packed(input.reshape({-1, d}));
   const Tensor sc = modulation_rows(scale, d);
   const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
-  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, rms, training)) {
-    return token_formula(input, scale, shift, eps, one_plus_scale, rms);
-  }
-  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, rms, 0).view(input.sizes());
+  const RecipeRef recipe = modulated_recipe(x, sc, sh, one_plus_scale, rms, training);
+  if (recipe->mode == Mode::Aten) return token_formula(input, scale, shift, eps, one_plus_scale, rms);
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, rms, 0, *recipe).view(input.sizes());
 }
 
 bool token_training(const Tensor& input, const Tensor& scale, const OptTensor& shift) {
@@ -372,10 +371,27 @@ std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& sc
   const Tensor x = packed(input.reshape({-1, d}));
   const Tensor sc = modulation_rows(scale, d);
   const OptTensor sh = defined(shift) ? OptTensor(modulation_rows(*shift, d)) : std::nullopt;
-  if (!modulated_kernel_computes(x, sc, sh, one_plus_scale, true, token_training(input, scale, shift))) {
-    return std::nullopt;
+  const RecipeRef recipe = modulated_recipe(x, sc, sh, one_plus_scale, true, token_training(input, scale, shift));
+  if (recipe->mode == Mode::Aten) return std::nullopt;
+  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b, *recipe).view(input.sizes());
+}
+
+std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& residual, const Tensor& branch,
+                                                             const Tensor& gate, const Tensor& scale,
+                                                             const Tensor& shift, double eps, bool one_plus_scale) {
+  // cudnorm._gated.supports and gated_ada_layer_norm's checks: [B, S, D] residual and branch,
+  // gate, scale and shift [B, 1.., D], all plain, of one dtype, on one device
+  bool ok = served(residual) && residual.dim() == 3 && good_eps(eps) && same_as_input(residual, branch);
+  const int64_t b = ok ? residual.size(0) : 0, d = ok ? residual.size(2) : 0;
+  for (const Tensor* p : {&gate, &scale, &shift}) {
+    ok = ok && p->defined() && is_plain(*p) && p->dim() >= 2 && p->size(0) == b && p->size(-1) == d &&
+         p->numel() == b * d && p->get_device() == residual.get_device() &&
+         p->scalar_type() == residual.scalar_type();
   }
-  return modulated_norm_train(x, sc, sh, eps, one_plus_scale, true, b).view(input.sizes());
+  if (!ok) return std::nullopt;
+  // [B, D] views: their gradients reach the caller's shapes through autograd's view nodes
+  return gated_train(residual, branch, gate.reshape({b, d}), scale.reshape({b, d}), shift.reshape({b, d}), eps,
+                     one_plus_scale);
 }
 
 }  // namespace cudnorm

@@ -139,13 +139,9 @@ RecipeRef modulated_recipe(const Tensor& x, const Tensor& scale, const OptTensor
                     {});
 }
 
-bool modulated_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
-                               bool rms, bool training) {
-  return modulated_recipe(x, scale, shift, one_plus_scale, rms, training)->mode != Mode::Aten;
-}
-
 std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                                             bool one_plus_scale, bool rms, bool training, int64_t seq) {
+                                             bool one_plus_scale, bool rms, bool training, int64_t seq,
+                                             const Recipe& recipe) {
   c10::cuda::CUDAGuard guard(x.device());
   auto python = [&] {
     auto out = kernel_py("mod_fwd", {x, scale, shift},
@@ -159,11 +155,10 @@ std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scal
       (defined(shift) && !aligned16(shift->data_ptr())) || !fits_int32(m)) {
     return python();
   }
-  RecipeRef recipe = modulated_recipe(x, scale, shift, one_plus_scale, rms, training);
-  if (recipe->mode != Mode::Kernel) return python();
+  if (recipe.mode != Mode::Kernel) return python();
   Tensor y = at::empty_like(x);
   auto [stats, mean, rstd] = forward_stats(x, y, rms, training);
-  const KernelLaunch& k = recipe->kernel;
+  const KernelLaunch& k = recipe.kernel;
   // x, scale, shift, y, mean, rstd; rows, tiles, eps, seq (row r reads modulation row r / seq)
   launch_kernel(k, k.programs,
                 {x.data_ptr(), scale.data_ptr(), defined(shift) ? shift->data_ptr() : x.data_ptr(), y.data_ptr(),

@@ -13,6 +13,7 @@
 //   launch.cpp    pointer slots, single / chunked / per-sample launches
 //   norm.cpp      LayerNorm / RMSNorm (and the fused residual add) forward and backward
 //   ada.cpp       adaptive LayerNorm forward and backward
+//   gated.cpp     a gated residual into an adaptive LayerNorm: its fused backward kernel
 //   kernel.cpp    cudnorm's own LayerNorm / RMSNorm kernels (Triton-compiled), launched by handle,
 //                 and the norms modulated per token or per sample (adaptive RMSNorm)
 //   autograd.cpp  the autograd nodes of the forward ops
@@ -61,6 +62,7 @@ enum class Kind : int64_t {
   ModulatedForward = 6,  // the norm kernel modulated per token or per sample (kernel.cpp)
   TokenBackward = 7,     // per token (cudnorm._token_ada)
   AdaRmsBackward = 8,    // the adaptive RMSNorm's (cudnorm._ada_rms)
+  GatedBackward = 9,     // a gated residual into an adaptive LayerNorm (gated.cpp, cudnorm._gated)
 };
 
 // How a call signature is served. Python (cudnorm._native.resolve) decides; C++ executes.
@@ -191,12 +193,14 @@ std::tuple<Tensor, Tensor, Tensor> kernel_backward(const Tensor& dy, const Tenso
                                                    std::optional<at::ScalarType> bias_dtype);
 // A norm modulated per token or per sample (kernel.cpp): x [M, N] packed; scale and shift (or
 // none) rows with unit column stride, any row stride: [M, N] per token, [B, N] per sample.
-// Whether the kernels compute the call (the recipe; otherwise the formula's ops serve it), then
-// (y, stats) forward, row r reading modulation row r / seq, stats as kernel_forward's.
-bool modulated_kernel_computes(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale,
-                               bool rms, bool training);
+// The call's recipe (mode Aten: the formula's ops serve it, not the kernels), looked up once
+// by the caller; then (y, stats) forward on it, row r reading modulation row r / seq, stats as
+// kernel_forward's.
+RecipeRef modulated_recipe(const Tensor& x, const Tensor& scale, const OptTensor& shift, bool one_plus_scale, bool rms,
+                           bool training);
 std::tuple<Tensor, Tensor> modulated_forward(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                                             bool one_plus_scale, bool rms, bool training, int64_t seq);
+                                             bool one_plus_scale, bool rms, bool training, int64_t seq,
+                                             const Recipe& recipe);
 // per token: (dx, dscale), dscale in scale's dtype (dshift is dy itself)
 std::tuple<Tensor, Tensor> token_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
                                           const Tensor& stats, bool one_plus_scale, bool rms);
@@ -205,6 +209,13 @@ std::tuple<Tensor, Tensor> token_backward(const Tensor& dy, const Tensor& x, con
 std::tuple<Tensor, Tensor, Tensor> ada_rms_backward(const Tensor& dy, const Tensor& x, const Tensor& scale,
                                                     const Tensor& rstd, bool one_plus_scale,
                                                     std::optional<at::ScalarType> shift_dtype);
+// The gated residual's backward (gated.cpp): h [B, S, D] packed (h = residual + gate * branch),
+// dy and branch of its shape, dh too or absent; gate and scale [B, D] with unit column stride;
+// stats the AdaLN forward's. (dresidual [B*S, D], dbranch [B*S, D], sums [3, B, D] fp32:
+// dscale, dshift, dgate).
+std::tuple<Tensor, Tensor, Tensor> gated_backward(const Tensor& dy, const OptTensor& dh, const Tensor& h,
+                                                  const Tensor& branch, const Tensor& gate, const Tensor& scale,
+                                                  const Tensor& stats, bool one_plus_scale);
 // (y, stats) of an AdaLN forward on x [B, S, D] (ada.cpp); stats undefined when not training
 std::tuple<Tensor, Tensor> ada_forward(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                                        bool one_plus_scale, bool training);
@@ -255,10 +266,14 @@ std::tuple<Tensor, Tensor> add_norm_train(const Tensor& x, const Tensor& residua
                                           const OptTensor& bias, double eps, bool training, bool rms, double offset);
 Tensor ada_layer_norm_train(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
                             bool one_plus_scale, bool training);
+// (y, h) of the gated residual into an adaptive LayerNorm with its node: residual and branch
+// [B, S, D], gate, scale and shift [B, D], all of one dtype
+std::tuple<Tensor, Tensor> gated_train(const Tensor& residual, const Tensor& branch, const Tensor& gate,
+                                       const Tensor& scale, const Tensor& shift, double eps, bool one_plus_scale);
 // the modulated norm's forward with its node (a gradient is needed) on modulated_forward's
 // rows: per token (batch 0) or per sample (batch B, the adaptive RMSNorm)
 Tensor modulated_norm_train(const Tensor& x, const Tensor& scale, const OptTensor& shift, double eps,
-                            bool one_plus_scale, bool rms, int64_t batch);
+                            bool one_plus_scale, bool rms, int64_t batch, const Recipe& recipe);
 
 // The public entry points (entry.cpp): cudnorm.layer_norm & co. with the native path.
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
@@ -285,6 +300,11 @@ std::optional<Tensor> token_ada_kernel_entry(const Tensor& input, const Tensor& 
 // compute them (Python's implementation then)
 std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& scale, const OptTensor& shift,
                                            double eps, bool one_plus_scale);
+// cudnorm._gated.fused (the gated residual's fused op, a training call): (y, h), or nullopt
+// where the native path does not serve these arguments (Python's implementation then)
+std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& residual, const Tensor& branch,
+                                                             const Tensor& gate, const Tensor& scale,
+                                                             const Tensor& shift, double eps, bool one_plus_scale);
 // The gain and shift of an affine LayerNorm folded into its per-sample modulation, in `dtype`
 // (fold.cpp): (w * g, b * g + shift) with g = 1 + scale (or scale); one autograd node.
 std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,

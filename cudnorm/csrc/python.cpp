@@ -204,6 +204,21 @@ PyObject* ada_rms_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// gated_kernel(residual, branch, gate, scale, shift, eps, one_plus_scale): the gated residual's
+// fused op, (y, h), or None where the native path does not serve these arguments
+PyObject* gated_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  arity(nargs, 7);
+  Tensor residual = tensor(args[0]), branch = tensor(args[1]), gate = tensor(args[2]), scale = tensor(args[3]),
+         shift = tensor(args[4]);
+  double eps = number(args[5]);
+  bool one_plus = boolean(args[6]);
+  auto out = unlocked([&] { return cudnorm::gated_kernel_entry(residual, branch, gate, scale, shift, eps, one_plus); });
+  if (!out.has_value()) Py_RETURN_NONE;
+  return wrap(std::move(*out));
+  END_HANDLE_TH_ERRORS
+}
+
 // affine_fold(scale, shift, weight, bias, one_plus_scale, like): (gain, shift) in like's dtype
 PyObject* affine_fold(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -265,6 +280,8 @@ PyMethodDef methods[] = {
     {"token_ada_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(token_ada_kernel)),
      METH_FASTCALL, nullptr},
     {"ada_rms_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ada_rms_kernel)), METH_FASTCALL,
+     nullptr},
+    {"gated_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gated_kernel)), METH_FASTCALL,
      nullptr},
     {"affine_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(affine_fold)), METH_FASTCALL,
      nullptr},

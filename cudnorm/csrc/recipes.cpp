@@ -57,6 +57,7 @@ const char* kind_name(Kind kind) {
     case Kind::ModulatedForward: return "mod_fwd";
     case Kind::TokenBackward: return "token_bwd";
     case Kind::AdaRmsBackward: return "ada_rms_bwd";
+    case Kind::GatedBackward: return "gated_bwd";
   }
   return "?";
 }
