@@ -8,7 +8,8 @@ own kernel for comparison. Then the same for the backward; cudnorm's Triton kern
 from Python, through Triton's launcher and through C++'s ``launch`` (the native path's), a norm
 forward alone and a per-token adaptive LayerNorm's training call (its Python autograd function
 by either launcher, C++'s node and launches, the public function) beside PyTorch's formula, the
-same for the adaptive RMSNorm (per-sample modulation); and
+same for the adaptive RMSNorm (per-sample modulation) and the gated residual into an adaptive
+LayerNorm; and
 cProfiles of the API calls and of that training call (autograd on the calling thread, so the
 profile sees its backward).
 
@@ -174,7 +175,33 @@ def launch_layers() -> dict:
         with torch.autograd.set_multithreading_enabled(False):  # no hand-off to autograd's device thread
             times[f"{kind}, training, one thread"] = wall_us_per_call(
                 _token_training(fn, *args), CALLS // 4, warmup=20)
+    times.update(gated_layers(x_s, dy_s))
     return times
+
+
+def gated_layers(x_s: torch.Tensor, dy_s: torch.Tensor) -> dict:
+    """Host us per training call of the gated residual into an adaptive LayerNorm (DiT's, SD3's
+    and Flux's blocks under ``blocks=True``): 2 samples of M / 2 tokens, gate, scale and shift
+    chunks of one ``[2, 3D]`` projection; by C++'s node, the Python autograd function, PyTorch's
+    formula and the public function."""
+    from cudnorm import _entry, _gated
+
+    residual = x_s.detach().clone().requires_grad_()
+    branch = torch.randn_like(residual, requires_grad=True)
+    mod = torch.randn(2, 3 * N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def training(fn):
+        def call():
+            gate, scale, shift = mod.chunk(3, dim=-1)
+            y, h = fn(residual, branch, gate, scale, shift, 1e-6, True)
+            return torch.autograd.grad((y, h), (residual, branch, mod), (dy_s, dy_s))
+        return call
+
+    kinds = {"C++ node" if _entry.native else "fused op": _gated.fused,
+             "Python autograd function": _gated._FusedGated.apply, "formula": _gated.formula,
+             "gated_ada_layer_norm": cudnorm.gated_ada_layer_norm}
+    return {f"gated residual, training, {kind}": wall_us_per_call(training(fn), CALLS // 4, warmup=20)
+            for kind, fn in kinds.items()}
 
 
 def profile(fn, calls=CALLS, top=18) -> str:
