@@ -9,9 +9,9 @@ with each such norm and its modulation one fused op. :data:`BLOCKS` is the table
 of DiT, PixArt, SD3 and Flux (and Chroma's, Flux's with another modulation) are here, the
 others in :mod:`cudnorm._diffusers_block_forwards`:
 
-* ``BasicTransformerBlock`` with ``norm_type="ada_norm_zero"`` (DiT: the attention's gated
-  residual add, ``norm3`` and the MLP's modulation) or ``"ada_norm_single"`` (PixArt: ``norm1``
-  with the attention's modulation, ``norm2`` with the MLP's, from ``scale_shift_table``);
+* ``BasicTransformerBlock`` with ``norm_type="ada_norm_zero"`` (DiT: ``norm3`` and the MLP's
+  modulation) or ``"ada_norm_single"`` (PixArt: ``norm1`` with the attention's modulation,
+  ``norm2`` with the MLP's, from ``scale_shift_table``);
 * ``JointTransformerBlock`` (SD3/SD3.5: ``norm2`` and ``norm2_context``);
 * ``FluxTransformerBlock`` (Flux.1 double-stream blocks: ``norm2`` and ``norm2_context``; the
   same forward in Bria FIBO's, LongCat-Image's and Ovis-Image's blocks, :data:`FLUX_BODIES`, and
@@ -86,21 +86,13 @@ def _basic_block(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor
     if zero:  # DiT: the AdaLN module returns the attention's input and the MLP's chunks [B, D]
         h, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
             hidden_states, timestep, class_labels, hidden_dtype=hidden_states.dtype)
-        gate_mlp = gate_mlp.unsqueeze(1)
+        gate_msa, gate_mlp = gate_msa.unsqueeze(1), gate_mlp.unsqueeze(1)
     else:  # PixArt: six chunks [B, 1, D] of the table plus the timestep embedding
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
             self.scale_shift_table[None] + timestep.reshape(hidden_states.shape[0], 6, -1)).chunk(6, dim=1)
         h = ops.modulated(self.norm1, hidden_states, scale_msa, shift_msa)
     attn_output = self.attn1(h, encoder_hidden_states=encoder_hidden_states if self.only_cross_attention else None,
                              attention_mask=attention_mask, **kwargs)
-    if zero:
-        if self.attn2 is None and hidden_states.ndim == 3 and attn_output.shape == hidden_states.shape:
-            # DiT: the attention's gated add and norm3's modulation, one op (a C++ node on the
-            # native path; as a Python autograd function it lost in host-bound training steps)
-            h, hidden_states = ops.gated_modulated(norms[-1], hidden_states, gate_msa, attn_output, scale_mlp,
-                                                   shift_mlp)
-            return gate_mlp * self.ff(h) + hidden_states
-        gate_msa = gate_msa.unsqueeze(1)
     hidden_states = gate_msa * attn_output + hidden_states
     if hidden_states.ndim == 4:
         hidden_states = hidden_states.squeeze(1)

@@ -85,27 +85,6 @@ def test_fused_blocks_bf16_meet_the_error_rule(family):
     assert ref.rel_error(ours, want) <= ref.error_bound(ref.rel_error(theirs, want), torch.bfloat16)
 
 
-def test_dit_block_fuses_the_attentions_gated_add(monkeypatch):
-    """DiT's block (no cross-attention): the attention's gated residual add and norm3's
-    modulation are one gated op per block, with the unpatched model's result."""
-    tiny = _dit()
-    base = _build(tiny)
-    want, want_grads = _output_and_grads(base, tiny.inputs)
-    model = copy.deepcopy(base)
-    cudnorm.patch(model, blocks=True)
-    gated = []
-
-    def counted(*args, fused=block_ops.gated_modulated):
-        gated.append(args[0])
-        return fused(*args)
-
-    monkeypatch.setattr(block_ops, "gated_modulated", counted)
-    got, got_grads = _output_and_grads(model, tiny.inputs)
-    assert gated == [block.norm3 for block in model.transformer_blocks]
-    assert ref.rel_error(got, want) <= F32_TOL
-    _assert_grads_close(got_grads, want_grads)
-
-
 def test_blocks_are_swapped_on_request_only():
     model = _build(_dit())
     cudnorm.patch(model)
