@@ -75,6 +75,7 @@ def _tensor(cls: str, arg: str, value) -> torch.Tensor:
 
 
 _INPUT_DTYPES = frozenset(_checks.INPUT_DTYPES)
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
 
 
 def _input(cls: str, arg: str, value) -> torch.Tensor:
@@ -111,7 +112,15 @@ def _modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Ten
     except where the measured decision of a per-sample affine call picks diffusers' formula
     itself (:func:`_formula_serves`).
     Returns the promotion of ``x``'s and the modulation's dtypes, as diffusers' formula does.
+    While the native path serves, an affine per-sample call of one dtype is C++'s whole
+    (csrc/entry.cpp: these rules, the decision and the fold without the Python in front of them:
+    CogVideoX's host-bound sampling steps pay that Python in every block).
     """
+    if (weight is not None or bias is not None) and _entry.native and type(x) is _TENSOR and (
+            not _entry.is_compiling()):
+        out = _entry.modulated_layer_norm(x, scale, shift, eps, weight, bias)
+        if out is not None:
+            return out
     d = x.shape[-1]
     per_sample = (scale.dim() == x.dim() >= 2 and scale.shape == shift.shape and scale.shape[0] == x.shape[0]
                   and scale.shape[-1] == d and scale.numel() == x.shape[0] * d)

@@ -27,11 +27,15 @@ layer_norm = rms_norm = add_layer_norm = add_rms_norm = ada_layer_norm = None
 token_ada_norm = token_ada_kernel = None
 # the adaptive RMSNorm through its kernels, with its C++ node (None where not served)
 ada_rms_kernel = None
-# the gated residual's fused op with its C++ node: (y, h), or None where not served
-gated_kernel = None
+# the gated residual: its public function's call (rules, decision, formula or fused op), and
+# the fused op with its C++ node alone; (y, h), or None where not served
+gated_ada_layer_norm = gated_kernel = None
 # the affine fold of a modulated LayerNorm (csrc/fold.cpp): (w * g, b * g + shift) in one
 # autograd node, for cudnorm.diffusers' forwards of affine norms followed by a modulation
 affine_fold = None
+# an affine LayerNorm's per-sample modulated call (cudnorm._diffusers_forwards): the measured
+# formula or fold and adaptive LayerNorm, in C++ (None where not served)
+modulated_layer_norm = None
 
 is_compiling = torch.compiler.is_compiling
 # cudnorm._native's activate(), status() and counters(): set when that module is imported

@@ -370,6 +370,7 @@ def _sync() -> None:
     _entry.affine_fold = module.affine_fold
     _entry.token_ada_norm, _entry.token_ada_kernel = module.token_ada_norm, module.token_ada_kernel
     _entry.ada_rms_kernel, _entry.gated_kernel = module.ada_rms_kernel, module.gated_kernel
+    _entry.gated_ada_layer_norm, _entry.modulated_layer_norm = module.gated_ada_layer_norm, module.modulated_layer_norm
     _entry.native = serve
     _triton_launch.native = module.launch if serve else None  # Python's kernel launches through C++
 

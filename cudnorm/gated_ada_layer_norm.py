@@ -9,6 +9,7 @@ from . import _candidates, _checks, _decisions, _entry, _gated, _policy
 from .ada_layer_norm import ada_layer_norm
 
 _OP = "gated_ada_layer_norm"
+_TENSOR = torch.Tensor  # a plain tensor, as the native entry serves it (its subclasses are not)
 
 
 def _check_call(residual, branch, gate, scale, shift, eps, one_plus_scale) -> float:
@@ -60,6 +61,16 @@ def gated_ada_layer_norm(residual: torch.Tensor, branch: torch.Tensor, gate: tor
         measured faster for its signature (:mod:`cudnorm._policy`; under ``policy="cudnn"`` the
         fused op); without grad, one multiply-add and :func:`cudnorm.ada_layer_norm`.
     """
+    # a plain tensor's call goes to C++ first while the native path serves (csrc/entry.cpp: these
+    # rules and the decision, without the Python in front of them); it hands back what it does not serve
+    if _entry.native and type(residual) is _TENSOR and not _entry.is_compiling():
+        try:
+            out = _entry.gated_ada_layer_norm(residual, branch, gate, scale, shift, eps, one_plus_scale)
+        except (TypeError, RuntimeError):  # the entry refused an argument: cudnorm's error names it
+            _check_call(residual, branch, gate, scale, shift, eps, one_plus_scale)
+            raise
+        if out is not None:
+            return out
     if _entry.is_compiling():  # a mistake raises cudnorm's error when the compiled code runs
         error = _checks.traced_error(_check_call, residual, residual, branch, gate, scale, shift, eps, one_plus_scale)
         if error is not None:

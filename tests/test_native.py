@@ -9,6 +9,7 @@ cuDNN path (tests/emulated_cudnn.py) and get fake ids in place of the C++ table'
 import contextlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -620,6 +621,95 @@ def test_tensor_subclasses_skip_the_native_entry(untried, monkeypatch, call):
             "ada_layer_norm": lambda: F.layer_norm(x, (32,), eps=1e-6) * args[0][:, None] + args[1][:, None]}
     torch.testing.assert_close(function(sub, *args).as_subclass(torch.Tensor), want[call]())
     assert entered == [x]
+
+
+def _gated_args():
+    return [torch.randn(2, 4, 32), torch.randn(2, 4, 32)] + [torch.randn(2, 32) for _ in range(3)]
+
+
+def test_gated_calls_go_to_the_native_entry_first(untried, monkeypatch):
+    """On the native path cudnorm.gated_ada_layer_norm hands a plain tensor's call to C++ (its
+    rules and decision: csrc/entry.cpp), takes the Python path where C++ answers None, and
+    sends a subclass (a DTensor) straight to Python."""
+    from cudnorm import _gated
+
+    entered, answer = [], []
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, "pending", False)
+    monkeypatch.setattr(_entry, "gated_ada_layer_norm", lambda *args: entered.append(args) or answer[0])
+    args = _gated_args()
+    answer.append((args[0], args[1]))  # served: C++'s (y, h) comes back as it is
+    assert cudnorm.gated_ada_layer_norm(*args) == answer[0] and len(entered) == 1
+    assert entered[0][5:] == (1e-6, True)  # the defaults reach the entry
+    answer[0] = None  # not served: Python's path, the formula for a CPU training call
+    args = [t.requires_grad_() for t in args]
+    for got, want in zip(cudnorm.gated_ada_layer_norm(*args), _gated.formula(*args, 1e-6, True)):
+        torch.testing.assert_close(got, want)
+    sub = [t.as_subclass(_Subclass) for t in args]
+    cudnorm.gated_ada_layer_norm(*sub)
+    assert len(entered) == 2
+
+
+def test_gated_entry_refusals_raise_cudnorms_error(untried, monkeypatch):
+    """An argument the C++ entry cannot parse (it raises TypeError) gets cudnorm's error naming
+    it; a refusal of valid arguments is re-raised as it is."""
+    def refuse(*args):
+        raise TypeError("cudnorm native entry: expected a tensor")
+
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, "pending", False)
+    monkeypatch.setattr(_entry, "gated_ada_layer_norm", refuse)
+    args = _gated_args()
+    with pytest.raises(TypeError, match=r"cudnorm.gated_ada_layer_norm: argument 'gate'"):
+        cudnorm.gated_ada_layer_norm(args[0], args[1], "gate", args[3], args[4])
+    with pytest.raises(TypeError, match="cudnorm native entry"):
+        cudnorm.gated_ada_layer_norm(*args)
+
+
+def test_affine_modulated_calls_go_to_the_native_entry_first(untried, monkeypatch):
+    """On the native path an affine LayerNorm's modulated call (CogVideoX's) goes to C++ first
+    (csrc/entry.cpp) and takes the Python route where C++ answers None; a non-affine call and a
+    subclass (a DTensor) do not ask it."""
+    from cudnorm import _diffusers_forwards as forwards
+
+    entered, answer = [], []
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, "pending", False)
+    monkeypatch.setattr(_entry, "modulated_layer_norm", lambda *args: entered.append(args) or answer[0])
+    x, scale, shift, w, b = torch.randn(2, 4, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32), torch.randn(32), None
+    answer.append(x)
+    assert forwards._modulated_layer_norm(x, scale, shift, 1e-5, w, b) is x
+    assert len(entered) == 1 and entered[0][3:] == (1e-5, w, None)
+    answer[0] = None  # not served: the Python route, its fold then one adaptive LayerNorm
+    routed = []
+
+    def ada(x, gain, shift, eps, one_plus_scale=False):
+        routed.append(type(x))
+        return F.layer_norm(x.as_subclass(torch.Tensor), (32,), eps=eps) * (gain + one_plus_scale) + shift
+
+    monkeypatch.setattr(forwards, "ada_layer_norm", ada)
+    want = F.layer_norm(x, (32,), w, None, 1e-5) * (1 + scale) + shift
+    torch.testing.assert_close(forwards._modulated_layer_norm(x, scale, shift, 1e-5, w, b), want)
+    forwards._modulated_layer_norm(x.as_subclass(_Subclass), scale, shift, 1e-5, w, b)
+    forwards._modulated_layer_norm(x, scale, shift, 1e-5, None, None)  # not affine: cudnorm.ada_layer_norm's own
+    assert len(entered) == 2 and routed == [torch.Tensor, _Subclass, torch.Tensor]
+
+
+def test_the_ops_cpp_asks_decisions_for_are_candidates_ops():
+    """decisions.cpp sends each MeasuredOp to cudnorm::_serve_py by name: every name must be an
+    op of cudnorm._candidates (a misspelt one would fail only on a GPU, at its first call)."""
+    import re
+
+    from cudnorm import _candidates
+
+    source = (Path(_native.__file__).parent / "csrc" / "decisions.cpp").read_text()
+    names = re.findall(r'"(\w+)"', re.search(r"names\[\] = \{(.*?)\};", source, re.S).group(1))
+    header = (Path(_native.__file__).parent / "csrc" / "native.h").read_text()
+    ops = re.search(r"enum class MeasuredOp : int64_t \{(.*?)\};", header, re.S).group(1)
+    assert len(names) == len(re.findall(r"= \d+", ops)) == 7
+    sig = _candidates.Signature
+    for name in names:
+        assert _candidates.candidates_for(sig(name, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, 1024, 14)), name
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch can build the native path")

@@ -65,6 +65,24 @@ def _compare(fn, inputs, *, served=True):
         assert hits >= 2, f"the native path served {hits} calls from its table"
 
 
+def _pin_decision(monkeypatch, op: str, decision: str) -> list:
+    """Every decision of ``op`` answers ``decision`` (kept, as a measured one is); returns the
+    list of the times Python was asked, which C++'s decision table should make one."""
+    from cudnorm import _decisions
+
+    cudnorm.clear_cache()
+    asked, real = [], _decisions.server_kept
+
+    def pinned(name, *args):
+        if name != op:
+            return real(name, *args)
+        asked.append(name)
+        return decision, True
+
+    monkeypatch.setattr(_decisions, "server_kept", pinned)
+    return asked
+
+
 def _bf16(*shape, scale=1.0):
     return (scale * torch.randn(*shape, device="cuda")).to(torch.bfloat16)
 
@@ -315,6 +333,41 @@ def test_gated_residual_is_served_in_cpp(outputs):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("decision", ["kernel", "torch"])
+def test_gated_public_call_is_served_in_cpp(decision, monkeypatch):
+    """cudnorm.gated_ada_layer_norm's training call runs in C++ from the public function on
+    (csrc/entry.cpp): its signature's measured decision asked once, then the fused op's node or
+    the formula; none of Python's path runs, and the results are bit for bit those of the op
+    the decision names (``_gated.fused`` or ``_gated.formula``)."""
+    from cudnorm import _candidates, _gated
+
+    asked = _pin_decision(monkeypatch, _candidates.GATED, decision)
+
+    def python_path(*args):
+        raise AssertionError("Python's path ran")
+
+    residual, branch, mod = _bf16(2, 300, 1152), _bf16(2, 300, 1152), _bf16(2, 1, 6 * 1152, scale=0.3)
+
+    def call(op):
+        def run(residual, branch, mod):
+            shift, scale, gate = mod.chunk(6, dim=-1)[:3]
+            return op(residual, branch, gate, scale, shift, 1e-6, True)
+        return run
+
+    with cudnorm.config(policy="auto"), monkeypatch.context() as patched:
+        patched.setattr(_gated, "supports", python_path)
+        for _ in range(2):
+            out, grads = _grads(call(cudnorm.gated_ada_layer_norm), [residual, branch, mod])
+        with torch.enable_grad():
+            y, _ = call(cudnorm.gated_ada_layer_norm)(residual, branch, mod.detach().requires_grad_())
+    assert asked == [_candidates.GATED]  # the second call found it in C++'s table
+    assert (y.grad_fn.name() == "CudnormGatedAdaLayerNormBackward") == (decision == "kernel")
+    want_out, want_grads = _grads(call(_gated.fused if decision == "kernel" else _gated.formula),
+                                  [residual, branch, mod])
+    for a, b in zip(out + grads, want_out + want_grads):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_per_token_double_backward_and_capture(rms):
     """Gradients of gradients through the per-token node (create_graph: PyTorch's differentiable
@@ -448,6 +501,34 @@ def test_affine_fold_matches_the_formula(affine, param_dtype, shared):
         frontier = [n for node in frontier for n, _ in node.next_functions if n is not None]
         names += [n.name() for n in frontier]
     assert any("AffineFold" in name for name in names), names
+
+
+@pytest.mark.parametrize("decision", ["torch", "cudnn"])
+def test_affine_modulated_call_is_served_in_cpp(decision, monkeypatch):
+    """An affine LayerNorm's per-sample modulated call (CogVideoX's) runs in C++ from
+    ``_modulated_layer_norm`` on (csrc/entry.cpp: its decision asked once, then diffusers'
+    formula or the fold and one adaptive LayerNorm), bit for bit what the Python route
+    computes under the same decision."""
+    from cudnorm import _candidates, _entry
+    from cudnorm._diffusers_forwards import _modulated_layer_norm
+
+    asked = _pin_decision(monkeypatch, _candidates.AFFINE_MODULATED, decision)
+    b, s, d = 2, 300, 1920
+    weight = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
+    bias = (0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
+    inputs = [_bf16(b, s, d), _bf16(b, 1, d, scale=0.1), _bf16(b, 1, d, scale=0.1), weight, bias]
+
+    def fn(x, scale, shift, weight, bias):
+        return _modulated_layer_norm(x, scale, shift, 1e-6, weight, bias)
+
+    with cudnorm.config(policy="auto"):
+        for _ in range(2):
+            native_out, native_grads = _grads(fn, inputs)
+        assert asked == [_candidates.AFFINE_MODULATED]  # the second call found it in C++'s table
+        monkeypatch.setattr(_entry, "modulated_layer_norm", lambda *args: None)  # the Python route
+        python_out, python_grads = _grads(fn, inputs)
+    for a, b_ in zip(native_out + native_grads, python_out + python_grads):
+        assert torch.equal(a, b_)
 
 
 @pytest.mark.parametrize("tokens", [256, 8192])

@@ -56,8 +56,10 @@ Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, 
                              .findSchemaOrThrow("cudnorm::_serve_py", "")
                              .typed<std::vector<int64_t>(c10::string_view, const Tensor&, int64_t, const OptTensor&,
                                                          const OptTensor&, bool)>();
-  static const char* const names[] = {"layer_norm", "rms_norm", "ada_layer_norm", "token_ada_layer_norm",
-                                      "token_ada_rms_norm"};
+  static const char* const names[] = {"layer_norm",           "rms_norm",
+                                      "ada_layer_norm",       "token_ada_layer_norm",
+                                      "token_ada_rms_norm",   "gated_ada_layer_norm",
+                                      "modulated_layer_norm"};
   const auto answer = serve_py.call(names[static_cast<int64_t>(op)], input, n, weight, bias, training);
   TORCH_CHECK(answer.size() == 2, "cudnorm: malformed decision from Python");
   const auto server = static_cast<Server>(answer[0]);

@@ -180,6 +180,32 @@ bool token_training(const Tensor& input, const Tensor& scale, const OptTensor& s
   return at::GradMode::is_enabled() && (input.requires_grad() || scale.requires_grad() || requires_grad(shift));
 }
 
+// cudnorm.gated_ada_layer_norm._check_call's fast branch: [B, S, D] residual (contiguous: its
+// rows are the backward recipe's), branch of its shape, gate, scale and shift [B, D] or
+// [B, 1, D], all plain, of one dtype, on one device
+bool gated_args(const Tensor& residual, const Tensor& branch, const Tensor& gate, const Tensor& scale,
+                const Tensor& shift, double eps) {
+  bool ok = served(residual) && residual.dim() == 3 && residual.is_contiguous() && good_eps(eps) &&
+            same_as_input(residual, branch);
+  const int64_t b = ok ? residual.size(0) : 0, d = ok ? residual.size(2) : 0;
+  for (const Tensor* p : {&gate, &scale, &shift}) {
+    ok = ok && p->defined() && is_plain(*p) && p->scalar_type() == residual.scalar_type() &&
+         p->get_device() == residual.get_device() && p->size(0) == b && p->size(-1) == d &&
+         (p->dim() == 2 || (p->dim() == 3 && p->size(1) == 1));
+  }
+  return ok;
+}
+
+// cudnorm._gated.formula: PyTorch's ops as the blocks write them, autograd by PyTorch
+std::tuple<Tensor, Tensor> gated_formula(const Tensor& residual, const Tensor& branch, const Tensor& gate,
+                                         const Tensor& scale, const Tensor& shift, double eps, bool one_plus_scale) {
+  const int64_t b = residual.size(0), d = residual.size(2);
+  const Tensor sc = scale.reshape({b, 1, d});
+  Tensor h = residual + gate.reshape({b, 1, d}) * branch;
+  Tensor xhat = at::layer_norm(h, {d}, std::nullopt, std::nullopt, eps);
+  return {xhat * (one_plus_scale ? sc + 1 : sc) + shift.reshape({b, 1, d}), h};
+}
+
 }  // namespace
 
 Tensor layer_norm_entry(const Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
@@ -390,6 +416,66 @@ std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& resid
   }
   if (!ok) return std::nullopt;
   // [B, D] views: their gradients reach the caller's shapes through autograd's view nodes
+  return gated_train(residual, branch, gate.reshape({b, d}), scale.reshape({b, d}), shift.reshape({b, d}), eps,
+                     one_plus_scale);
+}
+
+std::optional<Tensor> modulated_layer_norm_entry(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
+                                                 const OptTensor& weight, const OptTensor& bias) {
+  // cudnorm._diffusers_forwards._modulated_layer_norm's per-sample affine call: x [B, S, D],
+  // scale and shift [B, 1, D], an affine LayerNorm's weight and bias [D] (one may be absent),
+  // all plain, of one dtype, on one device
+  bool ok = served(x) && x.dim() == 3 && good_eps(eps) && (defined(weight) || defined(bias));
+  const int64_t b = ok ? x.size(0) : 0, d = ok ? x.size(2) : 0;
+  for (const Tensor* p : {&scale, &shift}) {
+    ok = ok && p->defined() && is_plain(*p) && p->scalar_type() == x.scalar_type() &&
+         p->get_device() == x.get_device() && p->dim() == 3 && p->size(0) == b && p->size(1) == 1 && p->size(2) == d;
+  }
+  for (const OptTensor* p : {&weight, &bias}) {
+    ok = ok && (!defined(*p) || (is_plain(**p) && (*p)->scalar_type() == x.scalar_type() &&
+                                 (*p)->get_device() == x.get_device() && (*p)->dim() == 1 && (*p)->size(0) == d));
+  }
+  if (!ok) return std::nullopt;
+  // its signature's measured decision (op "modulated_layer_norm", _formula_serves): diffusers'
+  // formula in PyTorch's ops, or the affine fold (fold.cpp) and one adaptive LayerNorm
+  const bool training = at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() ||
+                                                       shift.requires_grad() || requires_grad(weight) ||
+                                                       requires_grad(bias));
+  if (settings().measured &&
+      server_for(MeasuredOp::ModulatedLayerNorm, training, x, d, scale, shift) == Server::Torch) {
+    return at::layer_norm(x, {d}, weight, bias, eps) * (scale + 1) + shift;
+  }
+  auto [gain, folded] = affine_fold(scale, shift, weight, bias, true, x.scalar_type());
+  return ada_layer_norm_entry(x, gain, folded, eps, false);
+}
+
+std::optional<std::tuple<Tensor, Tensor>> gated_entry(const Tensor& residual, const Tensor& branch,
+                                                      const Tensor& gate, const Tensor& scale, const Tensor& shift,
+                                                      double eps, bool one_plus_scale) {
+  if (!gated_args(residual, branch, gate, scale, shift, eps)) return std::nullopt;
+  // cudnorm.gated_ada_layer_norm's rules in its order: small calls under policy "auto" (every
+  // call under "torch") run the formula; without grad, one multiply-add and the adaptive
+  // LayerNorm's own entry; a training call the fused op if its backward kernel launches from
+  // here (else Python decides, as before) and its signature's measured decision allows
+  const Settings& s = settings();
+  if (s.policy_auto && residual.numel() < s.cudnn_min_elements) {
+    return gated_formula(residual, branch, gate, scale, shift, eps, one_plus_scale);
+  }
+  const bool training = at::GradMode::is_enabled() &&
+                        (residual.requires_grad() || branch.requires_grad() || gate.requires_grad() ||
+                         scale.requires_grad() || shift.requires_grad());
+  const int64_t b = residual.size(0), d = residual.size(2);
+  if (!training) {
+    Tensor h = at::addcmul(residual, gate.reshape({b, 1, d}), branch);
+    return std::make_tuple(ada_layer_norm_entry(h, scale, shift, eps, one_plus_scale), h);
+  }
+  // the recipe the backward looks up when h gets a gradient too (a residual stream does)
+  const RecipeRef backward =
+      recipe_for(Kind::GatedBackward, residual.view({-1, d}), {b, 1, one_plus_scale, dtype_code(scale)}, {});
+  if (backward->mode != Mode::Kernel) return std::nullopt;
+  if (s.measured && server_for(MeasuredOp::GatedAdaLayerNorm, true, residual, d, scale, shift) == Server::Torch) {
+    return gated_formula(residual, branch, gate, scale, shift, eps, one_plus_scale);
+  }
   return gated_train(residual, branch, gate.reshape({b, d}), scale.reshape({b, d}), shift.reshape({b, d}), eps,
                      one_plus_scale);
 }

@@ -129,8 +129,17 @@ void configure(bool enabled, bool policy_auto, int64_t cudnn_min_elements, bool 
 // kernel (kernel.cpp).
 enum class Server : int64_t { Cudnn = 0, Torch = 1, Kernel = 2 };
 // The ops C++ asks decisions for (cudnorm._candidates.Signature.op: "layer_norm", "rms_norm",
-// "ada_layer_norm", "token_ada_layer_norm", "token_ada_rms_norm")
-enum class MeasuredOp : int64_t { LayerNorm = 0, RmsNorm = 1, AdaLayerNorm = 2, TokenLayerNorm = 3, TokenRmsNorm = 4 };
+// "ada_layer_norm", "token_ada_layer_norm", "token_ada_rms_norm", "gated_ada_layer_norm",
+// "modulated_layer_norm")
+enum class MeasuredOp : int64_t {
+  LayerNorm = 0,
+  RmsNorm = 1,
+  AdaLayerNorm = 2,
+  TokenLayerNorm = 3,
+  TokenRmsNorm = 4,
+  GatedAdaLayerNorm = 5,
+  ModulatedLayerNorm = 6
+};
 // The measured decision of the call's signature (cudnorm._decisions): from the table, else
 // decided by Python (which may time the candidates on `input`). An adaptive LayerNorm's weight
 // and bias are its scale and shift ([B, n]).
@@ -305,6 +314,17 @@ std::optional<Tensor> ada_rms_kernel_entry(const Tensor& input, const Tensor& sc
 std::optional<std::tuple<Tensor, Tensor>> gated_kernel_entry(const Tensor& residual, const Tensor& branch,
                                                              const Tensor& gate, const Tensor& scale,
                                                              const Tensor& shift, double eps, bool one_plus_scale);
+// cudnorm._diffusers_forwards._modulated_layer_norm's per-sample call of an affine LayerNorm
+// (x [B, S, D], scale and shift [B, 1, D], weight and bias [D], one dtype): the formula or the
+// fold and the adaptive LayerNorm, as measured; nullopt for any other call (Python's then)
+std::optional<Tensor> modulated_layer_norm_entry(const Tensor& x, const Tensor& scale, const Tensor& shift, double eps,
+                                                 const OptTensor& weight, const OptTensor& bias);
+// cudnorm.gated_ada_layer_norm: (y, h) by its rules (the formula, the adaptive LayerNorm's entry
+// without grad, the measured decision, the fused op), or nullopt where Python takes the call
+// (arguments it does not serve, whose error Python raises; no kernel launched from here)
+std::optional<std::tuple<Tensor, Tensor>> gated_entry(const Tensor& residual, const Tensor& branch,
+                                                      const Tensor& gate, const Tensor& scale, const Tensor& shift,
+                                                      double eps, bool one_plus_scale);
 // The gain and shift of an affine LayerNorm folded into its per-sample modulation, in `dtype`
 // (fold.cpp): (w * g, b * g + shift) with g = 1 + scale (or scale); one autograd node.
 std::tuple<Tensor, Tensor> affine_fold(const Tensor& scale, const Tensor& shift, const OptTensor& weight,

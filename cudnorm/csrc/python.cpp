@@ -204,18 +204,54 @@ PyObject* ada_rms_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// The arguments of the gated residual's entry points: (residual, branch, gate, scale, shift,
+// eps, one_plus_scale)
+struct GatedCall {
+  Tensor residual, branch, gate, scale, shift;
+  double eps;
+  bool one_plus;
+};
+
+GatedCall gated_call(PyObject* const* args, Py_ssize_t nargs) {
+  arity(nargs, 7);
+  return {tensor(args[0]), tensor(args[1]), tensor(args[2]), tensor(args[3]), tensor(args[4]), number(args[5]),
+          boolean(args[6])};
+}
+
+PyObject* wrap_or_none(std::optional<std::tuple<Tensor, Tensor>> out) {
+  if (!out.has_value()) Py_RETURN_NONE;
+  return wrap(std::move(*out));
+}
+
 // gated_kernel(residual, branch, gate, scale, shift, eps, one_plus_scale): the gated residual's
 // fused op, (y, h), or None where the native path does not serve these arguments
 PyObject* gated_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  arity(nargs, 7);
-  Tensor residual = tensor(args[0]), branch = tensor(args[1]), gate = tensor(args[2]), scale = tensor(args[3]),
-         shift = tensor(args[4]);
-  double eps = number(args[5]);
-  bool one_plus = boolean(args[6]);
-  auto out = unlocked([&] { return cudnorm::gated_kernel_entry(residual, branch, gate, scale, shift, eps, one_plus); });
-  if (!out.has_value()) Py_RETURN_NONE;
-  return wrap(std::move(*out));
+  GatedCall c = gated_call(args, nargs);
+  return wrap_or_none(unlocked(
+      [&] { return cudnorm::gated_kernel_entry(c.residual, c.branch, c.gate, c.scale, c.shift, c.eps, c.one_plus); }));
+  END_HANDLE_TH_ERRORS
+}
+
+// gated_ada_layer_norm(...): the public function's call, (y, h), or None where Python takes it
+PyObject* gated_ada_layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  GatedCall c = gated_call(args, nargs);
+  return wrap_or_none(
+      unlocked([&] { return cudnorm::gated_entry(c.residual, c.branch, c.gate, c.scale, c.shift, c.eps, c.one_plus); }));
+  END_HANDLE_TH_ERRORS
+}
+
+// modulated_layer_norm(x, scale, shift, eps, weight or None, bias or None): an affine
+// LayerNorm's per-sample modulated call, or None where Python takes it
+PyObject* modulated_layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  arity(nargs, 6);
+  Tensor x = tensor(args[0]), scale = tensor(args[1]), shift = tensor(args[2]);
+  double eps = number(args[3]);
+  OptTensor weight = optional_tensor(args[4]), bias = optional_tensor(args[5]);
+  return wrap_or_none(
+      unlocked([&] { return cudnorm::modulated_layer_norm_entry(x, scale, shift, eps, weight, bias); }));
   END_HANDLE_TH_ERRORS
 }
 
@@ -283,6 +319,10 @@ PyMethodDef methods[] = {
      nullptr},
     {"gated_kernel", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gated_kernel)), METH_FASTCALL,
      nullptr},
+    {"gated_ada_layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gated_ada_layer_norm)),
+     METH_FASTCALL, nullptr},
+    {"modulated_layer_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(modulated_layer_norm)),
+     METH_FASTCALL, nullptr},
     {"affine_fold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(affine_fold)), METH_FASTCALL,
      nullptr},
     {nullptr, nullptr, 0, nullptr}};
