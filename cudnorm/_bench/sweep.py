@@ -534,6 +534,13 @@ def _case(r: dict) -> str:
     return f"{r['op']} {r['direction']} {r['dtype']}/w={r['weight_dtype']}/b={r['bias']}"
 
 
+def exponent(r: dict) -> int:
+    """The power of two ``e`` a cell was sized from: its rows are ``2^e // cols``, so a width that
+    does not divide ``2^e`` (72, 192, 1152, ...) leaves fewer elements than ``2^e``, yet more than
+    ``2^(e-1)`` (one row at least): ``e`` is the element count's log2 rounded up."""
+    return (int(r["elements"]) - 1).bit_length()
+
+
 def _ratios(rows: list[dict], provider: str = "cudnorm") -> list[dict]:
     return [r for r in rows if r["provider"] == provider and r.get("ratio_vs_torch")]
 
@@ -561,7 +568,7 @@ def medians(rows: list[dict]) -> list[list[str]]:
     lines = [["cells (N >= 512, >= 2^21 elements)", "count", "cudnorm median", "torch-again median"]]
 
     def kept(provider):
-        return [r for r in _ratios(rows, provider) if r["cols"] >= 512 and r["elements"] >= 1 << 21]
+        return [r for r in _ratios(rows, provider) if r["cols"] >= 512 and exponent(r) >= 21]
 
     groups = defaultdict(lambda: defaultdict(list))
     for provider in ("cudnorm", "torch-again"):
@@ -593,7 +600,7 @@ def copy_fractions(rows: list[dict], providers_: Iterable[str] = ("cudnorm", "ke
     fraction of the copy's (copy ms / provider ms: issue 46's target >= 80%), median and worst."""
     by_cell = defaultdict(dict)
     for r in rows:
-        if 64 <= r["cols"] <= 256 and r["elements"] >= 1 << 25 and r.get("gpu_ms"):
+        if 64 <= r["cols"] <= 256 and exponent(r) >= 25 and r.get("gpu_ms"):
             by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r["gpu_ms"]
     providers_ = [p for p in providers_ if any(p in got for got in by_cell.values())]
     lines = [["cells (N 64-256, >= 2^25 elements)", "count", *(f"{p} median / worst" for p in providers_)]]
@@ -621,9 +628,29 @@ def measure_costs(rows: list[dict]) -> list[list[str]]:
              f"{costs[-1]:.1f}"]]
 
 
+# the heatmaps' colour scale spans 1/3x to 3x (beyond: the end colours), so that a cell a few
+# percent either side of PyTorch still shows, where a scale up to the narrow cells' 40x hid it
+HEAT_REACH = 3.0
+
+
+def heat_grid(rows: list[dict], variant: str) -> tuple[list[int], list[int], list[list[float]]]:
+    """``(exponents, widths, values)`` of one heatmap panel: ``values[i][j]`` is cudnorm's ratio
+    to PyTorch at ``2^exponents[i]`` elements and width ``widths[j]`` (NaN: not timed), over the
+    element counts and widths of all of ``rows`` (one op and direction), so that every panel of a
+    figure has the same axes."""
+    exponents = sorted({exponent(r) for r in rows})
+    widths = sorted({r["cols"] for r in rows})
+    values = [[math.nan] * len(widths) for _ in exponents]
+    for r in rows:
+        if _case(r) == variant:
+            values[exponents.index(exponent(r))][widths.index(r["cols"])] = r["ratio_vs_torch"]
+    return exponents, widths, values
+
+
 def heatmaps(rows: list[dict], device_name: str, out: Path) -> list[Path]:
     """One PNG per op/direction: cudnorm / PyTorch by width (x) and element count (y), one panel
-    per dtype/weight/bias variant, diverging colours on a log scale centred at 1.0 (red: slower)."""
+    per dtype/weight/bias variant, diverging colours on a log scale centred at 1.0 (red: slower),
+    from 1/:data:`HEAT_REACH` to :data:`HEAT_REACH`."""
     try:
         import matplotlib  # noqa: PLC0415 - optional
 
@@ -637,28 +664,27 @@ def heatmaps(rows: list[dict], device_name: str, out: Path) -> list[Path]:
     for op, direction in dict.fromkeys((r["op"], r["direction"]) for r in timed):
         mine = [r for r in timed if (r["op"], r["direction"]) == (op, direction)]
         variants = list(dict.fromkeys(_case(r) for r in mine))
-        widths = sorted({r["cols"] for r in mine})
-        counts = sorted({r["elements"] for r in mine})
-        reach = max(2.0, *(max(r["ratio_vs_torch"], 1 / r["ratio_vs_torch"]) for r in mine))
-        norm = LogNorm(vmin=1 / reach, vmax=reach)
-        fig, axes = plt.subplots(len(variants), 1, figsize=(max(8.0, 0.09 * len(widths) + 2), 0.5 + 1.9 * len(variants)),
+        norm = LogNorm(vmin=1 / HEAT_REACH, vmax=HEAT_REACH)
+        width_count = len({r["cols"] for r in mine})
+        fig, axes = plt.subplots(len(variants), 1, figsize=(max(8.0, 0.09 * width_count + 2), 0.5 + 1.9 * len(variants)),
                                  squeeze=False, layout="constrained")
         for ax, variant in zip(axes[:, 0], variants):
-            grid_values = [[math.nan] * len(widths) for _ in counts]
-            for r in mine:
-                if _case(r) == variant:
-                    grid_values[counts.index(r["elements"])][widths.index(r["cols"])] = r["ratio_vs_torch"]
+            counts, widths, grid_values = heat_grid(mine, variant)
             image = ax.pcolormesh(grid_values, cmap="RdBu", norm=norm)
             step = max(1, len(widths) // 40)
             ax.set_xticks([i + 0.5 for i in range(0, len(widths), step)], [str(w) for w in widths[::step]],
                           rotation=90, fontsize=6)
-            ax.set_yticks([i + 0.5 for i in range(len(counts))], [f"2^{c.bit_length() - 1}" for c in counts],
-                          fontsize=7)
+            ax.set_yticks([i + 0.5 for i in range(len(counts))], [f"2^{c}" for c in counts], fontsize=7)
             ax.set_ylabel("elements", fontsize=8)
             ax.set_title(variant, fontsize=9, loc="left")
         axes[-1, 0].set_xlabel("width N (rows = elements // N)", fontsize=8)
-        fig.colorbar(image, ax=axes[:, 0].tolist(), label="PyTorch time / cudnorm time (>1: faster)")
-        fig.suptitle(f"cudnorm (default policy) vs PyTorch, {op} {direction}, {device_name}", fontsize=10)
+        bar = fig.colorbar(image, ax=axes[:, 0].tolist(), extend="both")
+        bar.set_label("speed-up over PyTorch", fontsize=8)
+        ticks = [1 / HEAT_REACH, 0.5, 1.0, 2.0, HEAT_REACH]
+        bar.set_ticks(ticks, labels=[f"{t:.2g}x" for t in ticks], fontsize=7)
+        bar.ax.minorticks_off()
+        fig.suptitle(f"cudnorm (default policy) vs PyTorch, {op} {direction}, {device_name}: PyTorch's GPU time "
+                     "/ cudnorm's (blue > 1: faster)", fontsize=10)
         path = out / f"sweep_{op}_{direction}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
