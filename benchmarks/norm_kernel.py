@@ -4,9 +4,10 @@ GB/s and share of a device copy, forward and backward, over a few launch shapes 
 For LayerNorm (bf16 weight and bias) and RMSNorm (bf16 weight) of bf16 rows at widths
 64-4096, ``2^25`` elements each (``--elements``), and the per-head widths again at ``2^26``:
 
-* ``triton BMxW/P``: :func:`_norm_kernel.forward` (training: statistics written) or
+* ``triton BMxW/P[sS]``: :func:`_norm_kernel.forward` (training: statistics written) or
   :func:`_norm_kernel.backward` (weight and bias gradients summed) with launch shape
-  ``Config(BM rows a tile, W warps, P programs per SM; 0: one per tile)``: ``_config``'s
+  ``Config(BM rows a tile, W warps, P programs per SM; 0: one per tile, r: as many as the SMs
+  hold of the compiled kernel; sS: the backward's loop pipelined over S stages)``: ``_config``'s
   guess (marked ``*``) and a few neighbours (:func:`candidates`). Per-head sizes time the guess
   and the best shape of the ``2^25`` run;
 * ``torch``: ATen's ops called directly (``native_layer_norm`` / ``_fused_rms_norm`` and their
@@ -47,7 +48,7 @@ SETS, CALLS, ROUNDS = 3, 12, 3
 SLEEP_CYCLES = 10_000_000  # ~5-7 ms: longer than enqueueing CALLS calls of any provider
 BAD = 2e-2
 COLUMNS = ("op", "phase", "elements", "cols", "rows", "provider", "block_m", "num_warps", "programs_per_sm",
-           "default", "us", "gbps", "pct_copy", "vs_torch", "rel_err")
+           "stages", "default", "us", "gbps", "pct_copy", "vs_torch", "rel_err")
 
 
 def _timed_us(call, sets: list) -> float:
@@ -79,20 +80,34 @@ def copy_gbps(elements: int) -> float:
 
 def candidates(cols: int, rows: int, backward: bool, shapes: int) -> list[nk.Config]:
     """``_config``'s guess first, then neighbours: taller/shorter tiles or more/fewer warps
-    (the first ``shapes`` distinct tile shapes, each a compile), each on a few grids (free)."""
+    (the first ``shapes`` distinct tile shapes, each a compile), each on a few grids (free);
+    for a narrow backward also the pipelined loop (2048- and 4096-element tiles over 3 stages,
+    the grid what the SMs hold) and the plain loop's tile, whichever the guess is not."""
     guess = nk._config(cols, torch.bfloat16, rows, backward)
-    bm, w = guess.block_m, guess.num_warps
+    bm, w = nk.tile_shape(cols, rows, backward)
+    pipelined = []
+    if backward and bm > 1:
+        block_n = nk._pow2(cols)
+        pipelined = [nk.Config(min(elements // block_n, nk._pow2(rows)), 4, nk.RESIDENT, 3) for elements in (2048, 4096)]
     if bm > 1:
         tiles = [(bm, w), (bm * 2, w), (max(1, bm // 2), w), (bm * 2, w * 2), (bm * 4, w * 2)]
     else:
         tiles = [(1, w), (1, max(4, w // 2)), (1, min(32, w * 2)), (2, w)]
     tiles = list(dict.fromkeys(tiles))[:shapes]
     out = [guess]
+    if pipelined:  # the other loop of a narrow backward, whatever ``shapes``
+        out.append(nk.Config(bm, w, max(1, 32 // w)) if guess.stages else pipelined[0])
     for m, warps in tiles:
         resident = max(1, 32 // warps)
         grids = (resident, 2 * resident, 0) if backward else (0, resident, 2 * resident)
         out += [nk.Config(m, warps, p) for p in grids]
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out + pipelined[:shapes]))
+
+
+def shape_name(config: nk.Config) -> str:
+    """``BMxW/P`` (``P`` programs per SM, ``r`` what the SMs hold), ``sS`` for a loop pipelined over S stages."""
+    grid = "r" if config.programs_per_sm == nk.RESIDENT else config.programs_per_sm
+    return f"{config.block_m}x{config.num_warps}/{grid}" + (f"s{config.stages}" if config.stages else "")
 
 
 def _inputs(op: str, rows: int, cols: int) -> list[tuple]:
@@ -149,7 +164,7 @@ def measure(op: str, elements: int, cols: int, shapes: int, only: list[nk.Config
         out.append({"op": op, "phase": phase, "elements": elements, "cols": cols, "rows": rows,
                     "provider": provider, "block_m": config and config.block_m,
                     "num_warps": config and config.num_warps, "programs_per_sm": config and config.programs_per_sm,
-                    "default": default, "us": us, "gbps": traffic[phase] / us / 1e3, "rel_err": err})
+                    "stages": config and config.stages, "default": default, "us": us, "gbps": traffic[phase] / us / 1e3, "rel_err": err})
 
     fwd = _torch_forward(op)
     saved = [fwd(x, w, b) for x, w, b, _ in sets]
@@ -183,7 +198,7 @@ def measure(op: str, elements: int, cols: int, shapes: int, only: list[nk.Config
                 call = lambda dy, x, w, s, c=config: nk.backward(dy, x, w, s, rms, bias_dtype, config=c)  # noqa: E731
                 err = _rel(call(*kernel_sets[0]), want[1:])
             us = _timed_us(call, sets if phase == "fwd" else kernel_sets)
-            name = f"triton {config.block_m}x{config.num_warps}/{config.programs_per_sm}"
+            name = "triton " + shape_name(config)
             row(phase, name + ("*" if config == guess else ""), us, err, config, config == guess)
     return out
 
@@ -247,14 +262,14 @@ def main() -> None:
                 best = [max((r for r in found if r["phase"] == phase and r["provider"].startswith("triton")
                              and r["rel_err"] < BAD), key=lambda r: r["gbps"]) for phase in ("fwd", "bwd")]
                 only = list(dict.fromkeys(
-                    [nk.Config(r["block_m"], r["num_warps"], r["programs_per_sm"]) for r in best]
+                    [nk.Config(r["block_m"], r["num_warps"], r["programs_per_sm"], r["stages"]) for r in best]
                     + [nk._config(cols, torch.bfloat16, (1 << args.per_head) // cols, b) for b in (False, True)]))
                 rows += measure(op, 1 << args.per_head, cols, args.shapes, only)
             add_ratios(rows, copy)
             report.write_csv(rows, args.out / "norm_kernel.csv", COLUMNS)  # kept as it grows: a cut-off run still says
     for op in args.ops.split(","):
         for phase in ("fwd", "bwd"):
-            print(f"\n{op} {phase} (bf16; shape BMxW/P, * = _config's guess)")
+            print(f"\n{op} {phase} (bf16; shape BMxW/P[sS], * = _config's guess)")
             print(report.text_table(table(rows, op, phase), left=1, right=1))
     print(f"\n{len(rows)} rows in {time.perf_counter() - start:.0f} s -> {args.out / 'norm_kernel.csv'}")
 

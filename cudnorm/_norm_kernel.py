@@ -12,7 +12,11 @@ kernels beside cuDNN's plans and PyTorch's ops per call signature; they serve an
   half-precision values (176 bytes, 16-byte aligned) still load in 16-byte vectors;
 * the backward runs a fixed number of programs (a few per SM), each looping over tiles
   ``programs`` apart; each keeps its running ``sum(dy * xhat)`` and ``sum(dy)`` as a fp32 tile
-  in registers and writes one partial column at the end; a second launch sums the
+  in registers and writes one partial column at the end. At narrow widths that are not powers
+  of two the loop is Triton's software-pipelined ``tl.range`` (the next tiles' loads in flight
+  through shared memory while one is computed: padded tiles hold too few bytes a load to keep
+  the memory busy otherwise), its grid as many programs as the SMs hold of the compiled
+  kernel (its registers and shared memory). A second launch sums the
   ``[N, programs]`` fp32 partials in a fixed order and writes dweight and dbias in their dtypes:
   deterministic, no atomics. (PyTorch's sum of ``[programs, N]`` partial rows over its first dim,
   then a cast, cost 10-14 us more than the kernel alone on an H200, a sixth of a narrow
@@ -39,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _triton_launch
+from . import _lru, _triton_launch
 
 _F32 = torch.float32
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,14 +55,23 @@ MAX_COLS = 8192
 WIDE_COLS = 1024
 
 
+#: ``Config.programs_per_sm`` of a grid sized by the compiled kernel: as many programs as one SM
+#: holds at once by its registers, shared memory and warps (:func:`_resident`)
+RESIDENT = -1
+
+
 class Config(NamedTuple):
     """A launch shape. ``block_m``: rows per tile (a power of two); ``num_warps``: per program;
     ``programs_per_sm``: the grid is ``SMs * programs_per_sm`` programs looping over the tiles,
-    or, with 0, one program per tile (for the backward this means one partial row per tile)."""
+    :data:`RESIDENT` as many as the SMs hold of the compiled kernel, or, with 0, one program per
+    tile (for the backward this means one partial row per tile); ``stages``: the backward's tile
+    loop software-pipelined over that many stages (Triton's ``tl.range(num_stages=...)``), 0 a
+    plain loop (also what Triton's interpreter runs)."""
 
     block_m: int
     num_warps: int
     programs_per_sm: int
+    stages: int = 0
 
 
 # Launch shapes measured on an H100 (benchmarks/norm_kernel.py, bf16, 2^25 elements per width;
@@ -76,8 +89,27 @@ _WIDE_VALUES_PER_THREAD = {False: 16, True: 8}
 _BACKWARD_WARPS_PER_SM = 32
 
 
+# backward at narrow widths that are not powers of two (measured on an H200: benchmarks/norm_kernel.py,
+# docs/performance.md, Decisions): tiles of 2048 elements over 4 warps, the loop pipelined over 3
+# stages, the grid what the SMs hold of it (80-107 registers a thread: 4-6 programs an SM).
+# LayerNorm backward at 96, 192 and 240 went from 67-74% to 77-84% of a copy; at powers of two
+# (64, 128, 256) the plain loop was as fast or faster (RMSNorm 256: 85% against 79%)
+_PIPELINED_TILE_ELEMENTS = 2048
+_PIPELINED_STAGES = 3
+_PIPELINED_MAX_COLS = 256
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def tile_shape(cols: int, rows: int, backward: bool = False) -> tuple[int, int]:
+    """``(block_m, num_warps)`` of a plain (not pipelined) tile of ``rows`` rows of ``cols``
+    values: the launch shape's tile, also that of the per-token backward (:mod:`cudnorm._token_ada`)."""
+    block_n = _pow2(cols)
+    if block_n >= WIDE_COLS:
+        return 1, min(32, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD[backward])))
+    return min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows)), _NARROW_WARPS
 
 
 def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) -> Config:
@@ -86,12 +118,10 @@ def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) ->
     The constants above come from ``benchmarks/norm_kernel.py``, which times candidate shapes
     against this one per width."""
     block_n = _pow2(cols)
-    if block_n >= WIDE_COLS:
-        block_m = 1
-        warps = min(32, max(4, block_n // (32 * _WIDE_VALUES_PER_THREAD[backward])))
-    else:
-        block_m = min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows))
-        warps = _NARROW_WARPS
+    if backward and cols != block_n and cols <= _PIPELINED_MAX_COLS and dtype.itemsize == 2:
+        return Config(min(_PIPELINED_TILE_ELEMENTS // block_n, _pow2(rows)), _NARROW_WARPS, RESIDENT,
+                      _PIPELINED_STAGES)
+    block_m, warps = tile_shape(cols, rows, backward)
     # forward: one tile per program, the usual Triton grid (no partials to keep few)
     programs_per_sm = max(1, _BACKWARD_WARPS_PER_SM // warps) if backward else 0
     return Config(block_m, warps, programs_per_sm)
@@ -108,8 +138,8 @@ def _kernels():
         return None
 
     # row and tile counts are not specialised: their "% 16" or "== 1" variants change nothing.
-    # The tile loops are while loops: Triton's interpreter (3.6, with NumPy 2) cannot take a
-    # runtime bound in range()
+    # The plain tile loops are while loops: Triton's interpreter (3.6, with NumPy 2) cannot take a
+    # runtime bound in range(); the pipelined backward loop (tl.range) runs on a GPU only
     # MODULATED: weight and bias are rows of COLS values, W_STRIDE and B_STRIDE apart (the
     # scale and shift of an adaptive norm: per sample, or per token with seq 1, read in place
     # from a chunk of a Linear's output), row r of x taking row r // seq of them, the gain
@@ -164,52 +194,74 @@ def _kernels():
                 tl.store(rstd_ptr + first + local, rstd, mask=live)
             tile += programs
 
+    # one tile of the backward: writes its dx, returns the running column sums with its rows added
+    @triton.jit
+    def _backward_tile(x_ptr, dy_ptr, w, mean_ptr, rstd_ptr, dx_ptr, tile, rows, local, offsets, in_row,
+                      sum_dy_xhat, sum_dy, COLS: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
+                      HAS_W: tl.constexpr, HAS_DB: tl.constexpr):
+        first = tile.to(tl.int64) * BLOCK_M
+        live = local < rows - first
+        mask = live[:, None] & in_row[None, :]
+        x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + first + local, mask=live, other=0.0)
+        if RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(mean_ptr + first + local, mask=live, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / COLS
+        if RMS:
+            dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        else:
+            mean_g = tl.sum(g, axis=1) / COLS
+            dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + first * COLS + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_W:
+            sum_dy_xhat += dy * xhat
+        if HAS_DB:
+            sum_dy += dy
+        return sum_dy_xhat, sum_dy
+
+    # Triton's interpreter runs a kernel's source again in its module's globals, closures lost:
+    # the backward finds its helper there
+    globals()["_backward_tile"] = _backward_tile
+
     @triton.jit(do_not_specialize=["rows", "tiles"])
     def norm_backward(x_ptr, dy_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
                       rows, tiles,
                       COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
-                      HAS_W: tl.constexpr, HAS_DB: tl.constexpr):
+                      HAS_W: tl.constexpr, HAS_DB: tl.constexpr, STAGES: tl.constexpr):
         program = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < COLS
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        else:
+            w = tl.zeros((BLOCK_N,), dtype=tl.float32)  # unused
         local = tl.arange(0, BLOCK_M)
         offsets = local[:, None] * COLS + cols[None, :]
         # per-element running sums, reduced over the tile's rows once at the end (a reduction
         # across rows in every iteration would cost a trip through shared memory each time)
         sum_dy_xhat = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         sum_dy = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        tile = program
-        while tile < tiles:
-            first = tile.to(tl.int64) * BLOCK_M
-            live = local < rows - first
-            mask = live[:, None] & in_row[None, :]
-            x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + first + local, mask=live, other=0.0)
-            if RMS:
-                xhat = x * rstd[:, None]
-            else:
-                mean = tl.load(mean_ptr + first + local, mask=live, other=0.0)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            if HAS_W:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            mean_g_xhat = tl.sum(g * xhat, axis=1) / COLS
-            if RMS:
-                dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-            else:
-                mean_g = tl.sum(g, axis=1) / COLS
-                dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + first * COLS + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            if HAS_W:
-                sum_dy_xhat += dy * xhat
-            if HAS_DB:
-                sum_dy += dy
-            tile += programs
+        if STAGES > 0:  # the next tiles' loads in flight while this one computes
+            for tile in tl.range(program, tiles, programs, num_stages=STAGES):
+                sum_dy_xhat, sum_dy = _backward_tile(x_ptr, dy_ptr, w, mean_ptr, rstd_ptr, dx_ptr, tile, rows, local,
+                                                      offsets, in_row, sum_dy_xhat, sum_dy, COLS, BLOCK_M, RMS, HAS_W,
+                                                     HAS_DB)
+        else:
+            tile = program
+            while tile < tiles:
+                sum_dy_xhat, sum_dy = _backward_tile(x_ptr, dy_ptr, w, mean_ptr, rstd_ptr, dx_ptr, tile, rows, local,
+                                                      offsets, in_row, sum_dy_xhat, sum_dy, COLS, BLOCK_M, RMS, HAS_W,
+                                                     HAS_DB)
+                tile += programs
         out = cols.to(tl.int64) * programs + program  # column-major: [COLS, programs]
         if HAS_W:
             tl.store(dw_partial_ptr + out, tl.sum(sum_dy_xhat, axis=0), mask=in_row)
@@ -270,13 +322,43 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid(x: torch.Tensor, config: Config) -> tuple[int, int]:
-    """``(programs, tiles)`` for ``x``'s rows under ``config``."""
-    tiles = -(-x.shape[0] // config.block_m)
+# what an SM holds where torch's device properties do not say (Hopper's figures)
+_SM_REGISTERS, _SM_THREADS, _SM_SHARED_BYTES, _SM_BLOCKS = 65536, 2048, 233472, 32
+_BLOCK_RESERVED_SHARED_BYTES = 1024  # the driver's own per block
+
+
+@functools.cache
+def _sm_limits(device_index: int) -> tuple[int, int, int]:
+    """``(registers, threads, shared bytes)`` one SM of the device holds."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (getattr(props, "regs_per_multiprocessor", _SM_REGISTERS),
+            getattr(props, "max_threads_per_multi_processor", _SM_THREADS),
+            getattr(props, "shared_memory_per_multiprocessor", _SM_SHARED_BYTES))
+
+
+def _resident(compiled, device_index: int) -> int:
+    """How many programs of ``compiled`` (a loaded Triton kernel) one SM runs at once: the least
+    its registers (allocated per warp, 8 at a time), threads, shared memory and block slots allow."""
+    registers, threads, shared = _sm_limits(device_index)
+    warps = compiled.metadata.num_warps
+    by_registers = registers // (32 * warps * -(-max(compiled.n_regs, 1) // 8) * 8)
+    by_shared = shared // (compiled.metadata.shared + _BLOCK_RESERVED_SHARED_BYTES)
+    return max(1, min(by_registers, threads // (32 * warps), by_shared, _SM_BLOCKS))
+
+
+def _programs(device: torch.device, config: Config, tiles: int, compiled=None) -> int:
+    """The grid of ``config`` over ``tiles`` tiles on ``device``; ``compiled``: the loaded
+    kernel it launches, which sizes a :data:`RESIDENT` grid."""
     if config.programs_per_sm == 0:
-        return tiles, tiles
-    sm_count = _sm_count(x.device.index) if x.is_cuda else 1  # 1: Triton's interpreter, on a CPU
-    return min(tiles, sm_count * config.programs_per_sm), tiles
+        return tiles
+    if device.type != "cuda":  # Triton's interpreter, on a CPU: one "SM"
+        return min(tiles, 2 if config.programs_per_sm == RESIDENT else config.programs_per_sm)
+    per_sm = _resident(compiled, device.index) if config.programs_per_sm == RESIDENT else config.programs_per_sm
+    return min(tiles, _sm_count(device.index) * per_sm)
+
+
+# (device, what the backward compiles for) -> its loaded kernel, for a grid it sizes (RESIDENT)
+_BACKWARD_KERNELS = _lru.LRU("norm_kernel_backwards", 256)
 
 
 # the finishing sum's tile: up to this many partials of a column at once, BLOCK_C columns a program
@@ -291,6 +373,11 @@ def _finish_shape(programs: int, cols: int) -> tuple[int, int, int]:
     block_p = min(_FINISH_MAX_PARTIALS, _pow2(programs))
     block_c = min(_pow2(cols), max(1, _FINISH_TILE // block_p))
     return block_p, block_c, -(-cols // block_c)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether Triton compiles for ``t``'s pointer as 16-byte aligned."""
+    return t.data_ptr() % 16 == 0
 
 
 def _row_stride(t: torch.Tensor | None, seq: int, cols: int) -> int:
@@ -317,7 +404,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     if rows == 0:
         return y, stats
     config = config or _config(cols, x.dtype, rows)
-    programs, tiles = _grid(x, config)
+    tiles = -(-rows // config.block_m)
+    programs = _programs(x.device, config, tiles)
     mean, rstd = (stats[0], stats[-1]) if training else (y, y)  # unused pointers when not training
     if seq > 0:  # modulation rows read in place: any row stride, unit column stride
         weight, bias = (None if t is None else t if t.stride(-1) == 1 else t.contiguous() for t in (weight, bias))
@@ -351,13 +439,28 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, sta
         zeros = functools.partial(torch.zeros, cols, device=x.device)
         return dx, zeros(dtype=weight.dtype) if has_w else None, zeros(dtype=bias_dtype) if has_db else None
     config = config or _config(cols, x.dtype, rows, backward=True)
-    programs, tiles = _grid(x, config)
+    if not x.is_cuda:
+        config = config._replace(stages=0)  # Triton's interpreter runs the plain loop only
+    tiles = -(-rows // config.block_m)
+    weight = x if weight is None else weight.contiguous()
+    meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+            "HAS_W": has_w, "HAS_DB": has_db, "STAGES": config.stages, "num_warps": config.num_warps}
+    compiled = None
+    if config.programs_per_sm == RESIDENT and x.is_cuda:
+        key = (x.device.index, x.dtype, weight.dtype, *map(_aligned, (x, dy, weight, stats[0], stats[-1], dx)),
+               *meta.items())
+        compiled = _BACKWARD_KERNELS.get(key)
+        if compiled is None:  # the partials' pointers: fresh allocations, aligned as any
+            partial = torch.empty(4, dtype=_F32, device=x.device)
+            with torch.cuda.device(x.device):
+                compiled = _kernels()[1].warmup(x, dy, weight, stats[0], stats[-1], dx, partial, partial, rows,
+                                                tiles, grid=(1,), **meta)
+                compiled.run  # noqa: B018 - loads the module: sets its register count
+            _BACKWARD_KERNELS.put(key, compiled)
+    programs = _programs(x.device, config, tiles, compiled)
     partial = torch.empty((has_w + has_db, cols, programs), dtype=_F32, device=x.device)
     dw_partial, db_partial = (partial[0], partial[-1]) if has_w or has_db else (dx, dx)
-    args = (x, dy, x if weight is None else weight.contiguous(), stats[0], stats[-1], dx, dw_partial, db_partial,
-            rows, tiles)
-    meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
-            "HAS_W": has_w, "HAS_DB": has_db, "num_warps": config.num_warps}
+    args = (x, dy, weight, stats[0], stats[-1], dx, dw_partial, db_partial, rows, tiles)
     _triton_launch.launch(_kernels()[1], programs, args, meta)
     if not (has_w or has_db):
         return dx, None, None
@@ -432,7 +535,6 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     config = _config(cols, x.dtype, rows, backward)
     device = x.device if x.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     tiles = -(-rows // config.block_m)
-    programs = tiles if config.programs_per_sm == 0 else min(tiles, _sm_count(device.index) * config.programs_per_sm)
     if rows >= 2**31 or tiles >= 2**31:
         return None
     wdtype = weight_dtype or x.dtype  # an absent parameter's pointer is x's, as the Python launch passes it
@@ -441,7 +543,7 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     # the first values of the scalars only choose their types (i32, fp32); none is specialised
     if backward:
         dtypes = (x.dtype, x.dtype, wdtype, _F32, _F32, x.dtype, _F32, _F32)
-        meta["HAS_DB"] = bias_dtype is not None
+        meta.update(HAS_DB=bias_dtype is not None, STAGES=config.stages)
         scalars = (rows, tiles)
     else:
         stats = _F32 if training else x.dtype  # not training: y's pointer stands for the statistics
@@ -457,6 +559,7 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     if launch is None:
         return None
     function, threads, shared, scratch = launch
+    programs = _programs(device, config, tiles, compiled)
     main = (function, threads, shared, 0, scratch, programs, tiles)
     if not backward:
         return main

@@ -105,12 +105,12 @@ def backward(dy2: torch.Tensor, x2: torch.Tensor, scale2: torch.Tensor, stats: t
     dscale = torch.empty((rows, cols), dtype=scale2.dtype, device=x2.device)
     if rows == 0:
         return dx, dscale
-    config = _norm_kernel._config(cols, x2.dtype, rows, backward=True)
-    tiles = -(-rows // config.block_m)
+    block_m, warps = _norm_kernel.tile_shape(cols, rows, backward=True)
+    tiles = -(-rows // block_m)
     args = (x2, dy2, scale2, stats[0], stats[-1], dx, dscale, rows)
-    meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+    meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": block_m, "RMS": rms,
             "ONE_PLUS": one_plus_scale, "S_STRIDE": scale2.stride(0) if rows > 1 else cols,
-            "num_warps": config.num_warps}
+            "num_warps": warps}
     _triton_launch.launch(_kernel(), tiles, args, meta)
     return dx, dscale
 
@@ -151,13 +151,13 @@ def native_launch(x2: torch.Tensor, scale_dtype: torch.dtype, rms: bool, one_plu
     ``scale_stride`` (compiled in), for the native path to launch (csrc/kernel.cpp); ``None``
     where C++ cannot launch the compiled kernel plainly or the rows need 64-bit scalars."""
     rows, cols = x2.shape
-    config = _norm_kernel._config(cols, x2.dtype, rows, backward=True)
-    tiles = -(-rows // config.block_m)
+    block_m, warps = _norm_kernel.tile_shape(cols, rows, backward=True)
+    tiles = -(-rows // block_m)
     if rows >= 2**31:
         return None
-    meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
+    meta = {"COLS": cols, "BLOCK_N": _norm_kernel._pow2(cols), "BLOCK_M": block_m, "RMS": rms,
             "ONE_PLUS": one_plus_scale, "S_STRIDE": scale_stride,
-            "num_warps": config.num_warps}
+            "num_warps": warps}
     f32 = torch.float32
     with torch.cuda.device(x2.device if x2.device.type == "cuda" else torch.cuda.current_device()):
         compiled = _kernel().warmup(x2.dtype, x2.dtype, scale_dtype, f32, f32, x2.dtype, scale_dtype, rows,

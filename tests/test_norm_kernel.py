@@ -190,10 +190,50 @@ def test_config_shapes(cols, rows):
         assert c.block_m & (c.block_m - 1) == 0 and c.block_m <= max(1, nk._pow2(rows))
         assert 1 <= c.num_warps <= 32 and c.num_warps & (c.num_warps - 1) == 0
         assert c.block_m * nk._pow2(cols) <= max(nk.MAX_COLS, 2048)
-        if backward:
+        if backward and c.stages:  # pipelined: its grid what the SMs hold of the compiled kernel
+            assert c.programs_per_sm == nk.RESIDENT
+        elif backward:
             assert c.programs_per_sm >= 1 and c.programs_per_sm * c.num_warps <= 32
         else:
-            assert c.programs_per_sm == 0
+            assert c.programs_per_sm == 0 and c.stages == 0
+
+
+def test_backward_pipelines_narrow_padded_half_precision_rows():
+    """The measured rule: a backward's loop is pipelined (its grid sized by the compiled kernel)
+    where a narrow half-precision row pads its tile; powers of two, fp32, wider rows and the
+    forward keep the plain shape."""
+    for cols in (72, 88, 96, 136, 192, 200, 248):
+        for dtype in (BF16, F16):
+            c = nk._config(cols, dtype, 1 << 20, backward=True)
+            assert (c.stages, c.programs_per_sm, c.num_warps) == (3, nk.RESIDENT, 4), (cols, dtype)
+            assert c.block_m * nk._pow2(cols) == 2048
+    assert nk._config(88, BF16, 5, backward=True).block_m == 8  # no taller than the rows need
+    for cols, dtype in ((64, BF16), (128, F16), (256, BF16), (96, F32), (320, BF16), (1152, BF16)):
+        assert nk._config(cols, dtype, 1 << 20, backward=True).stages == 0, (cols, dtype)
+    assert nk._config(96, BF16, 1 << 20).stages == 0
+    assert nk.tile_shape(96, 1 << 20, backward=True) == (8, 4)  # the plain tile: 1024 elements
+
+
+class _Compiled:
+    """What :func:`nk._resident` reads of a loaded Triton kernel."""
+
+    def __init__(self, registers, warps, shared):
+        self.n_regs = registers
+        self.metadata = type("Metadata", (), {"num_warps": warps, "shared": shared})
+
+
+@pytest.mark.parametrize("registers, warps, shared, want", [
+    (64, 4, 0, 8),  # the plain loop: 32 warps fill the register file
+    (80, 4, 16384, 6),  # the pipelined backward as an H200 compiled it (bf16, width 96-192)
+    (107, 4, 16384, 4),  # registers are allocated 8 at a time: 112
+    (92, 4, 16384, 5),
+    (32, 4, 49152, 4),  # shared memory bounds it
+    (16, 1, 0, 32),  # the block slots
+    (255, 32, 0, 1),  # never fewer than one
+])
+def test_resident_programs_per_sm(monkeypatch, registers, warps, shared, want):
+    monkeypatch.setattr(nk, "_sm_limits", lambda index: (65536, 2048, 233472))
+    assert nk._resident(_Compiled(registers, warps, shared), 0) == want
 
 
 @pytest.mark.gpu
@@ -207,6 +247,8 @@ def test_config_shapes(cols, rows):
     (4096, 2240, BF16, BF16, BF16, False),
     (8192, 1152, F32, F32, F32, True),
     (1000, nk.MAX_COLS, BF16, BF16, None, False),
+    (1 << 20, 200, F16, F16, F16, False),  # the pipelined backward (a padded narrow row)
+    (37, 136, BF16, BF16, BF16, False),  # ... over fewer rows than its grid
 ])
 def test_gpu_kernels_meet_the_2x_rule(rows, cols, dtype, wdtype, bdtype, rms):
     _check(rows, cols, dtype, wdtype, bdtype, rms, device="cuda")
