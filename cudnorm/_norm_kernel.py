@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _lru, _triton_launch
+from . import _triton_launch
 
 _F32 = torch.float32
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -357,8 +357,6 @@ def _programs(device: torch.device, config: Config, tiles: int, compiled=None) -
     return min(tiles, _sm_count(device.index) * per_sm)
 
 
-# (device, what the backward compiles for) -> its loaded kernel, for a grid it sizes (RESIDENT)
-_BACKWARD_KERNELS = _lru.LRU("norm_kernel_backwards", 256)
 
 
 # the finishing sum's tile: up to this many partials of a column at once, BLOCK_C columns a program
@@ -373,11 +371,6 @@ def _finish_shape(programs: int, cols: int) -> tuple[int, int, int]:
     block_p = min(_FINISH_MAX_PARTIALS, _pow2(programs))
     block_c = min(_pow2(cols), max(1, _FINISH_TILE // block_p))
     return block_p, block_c, -(-cols // block_c)
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether Triton compiles for ``t``'s pointer as 16-byte aligned."""
-    return t.data_ptr() % 16 == 0
 
 
 def _row_stride(t: torch.Tensor | None, seq: int, cols: int) -> int:
@@ -446,17 +439,10 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, sta
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": has_w, "HAS_DB": has_db, "STAGES": config.stages, "num_warps": config.num_warps}
     compiled = None
-    if config.programs_per_sm == RESIDENT and x.is_cuda:
-        key = (x.device.index, x.dtype, weight.dtype, *map(_aligned, (x, dy, weight, stats[0], stats[-1], dx)),
-               *meta.items())
-        compiled = _BACKWARD_KERNELS.get(key)
-        if compiled is None:  # the partials' pointers: fresh allocations, aligned as any
-            partial = torch.empty(4, dtype=_F32, device=x.device)
-            with torch.cuda.device(x.device):
-                compiled = _kernels()[1].warmup(x, dy, weight, stats[0], stats[-1], dx, partial, partial, rows,
-                                                tiles, grid=(1,), **meta)
-                compiled.run  # noqa: B018 - loads the module: sets its register count
-            _BACKWARD_KERNELS.put(key, compiled)
+    if config.programs_per_sm == RESIDENT and x.is_cuda:  # the partials' pointers: fresh allocations, aligned as any
+        partial = torch.empty(4, dtype=_F32, device=x.device)
+        compiled = _triton_launch.loaded(_kernels()[1], (x, dy, weight, stats[0], stats[-1], dx, partial, partial,
+                                                         rows, tiles), meta)
     programs = _programs(x.device, config, tiles, compiled)
     partial = torch.empty((has_w + has_db, cols, programs), dtype=_F32, device=x.device)
     dw_partial, db_partial = (partial[0], partial[-1]) if has_w or has_db else (dx, dx)

@@ -80,6 +80,25 @@ def _plain(kernel, args: tuple, meta: dict) -> tuple | None:
     return None if found is None else (*found, tuple(pointers), tuple(scalars))
 
 
+# the same key -> the compiled kernel with its module loaded (its registers known)
+_LOADED = _lru.LRU("triton_loaded_kernels", 256)
+
+
+def loaded(kernel, args: tuple, meta: dict):
+    """The compiled kernel :func:`launch` runs for ``args`` and ``meta`` (tensors on one CUDA
+    device), its module loaded so that its register count and shared memory are known (what sizes
+    a grid of as many programs as the SMs hold); compiled on first use, then a lookup."""
+    first = args[0]
+    key = (kernel, first.get_device(), *map(_specialised, args), *meta.items())
+    found = _LOADED.peek(key)
+    if found is None:
+        with torch.cuda.device(first.device):
+            found = kernel.warmup(*args, grid=(1,), **meta)
+            found.run  # noqa: B018 - loads the module: sets its register count
+        _LOADED.put(key, found)
+    return found
+
+
 def _bits(value: int | float) -> int:
     """An int32 scalar as is, a fp32 one as its bits (C++ passes every scalar as 32 bits)."""
     return value if isinstance(value, int) else struct.unpack("<i", struct.pack("<f", value))[0]
