@@ -78,15 +78,15 @@ def copy_gbps(elements: int) -> float:
     return 2 * elements * 2 / us / 1e3
 
 
-def candidates(cols: int, rows: int, backward: bool, shapes: int) -> list[nk.Config]:
+def candidates(cols: int, rows: int, backward: bool, shapes: int, layer_norm: bool = False) -> list[nk.Config]:
     """``_config``'s guess first, then neighbours: taller/shorter tiles or more/fewer warps
     (the first ``shapes`` distinct tile shapes, each a compile), each on a few grids (free);
-    for a narrow backward also the pipelined loop (2048- and 4096-element tiles over 3 stages,
-    the grid what the SMs hold) and the plain loop's tile, whichever the guess is not."""
-    guess = nk._config(cols, torch.bfloat16, rows, backward)
+    for a narrow backward or LayerNorm forward also the pipelined loop (2048- and 4096-element
+    tiles over 3 stages, the grid what the SMs hold) and the plain shape, whichever the guess is not."""
+    guess = nk._config(cols, torch.bfloat16, rows, backward, layer_norm_forward=layer_norm)
     bm, w = nk.tile_shape(cols, rows, backward)
     pipelined = []
-    if backward and bm > 1:
+    if (backward or layer_norm) and bm > 1:
         block_n = nk._pow2(cols)
         pipelined = [nk.Config(min(elements // block_n, nk._pow2(rows)), 4, nk.RESIDENT, 3) for elements in (2048, 4096)]
     if bm > 1:
@@ -96,7 +96,7 @@ def candidates(cols: int, rows: int, backward: bool, shapes: int) -> list[nk.Con
     tiles = list(dict.fromkeys(tiles))[:shapes]
     out = [guess]
     if pipelined:  # the other loop of a narrow backward, whatever ``shapes``
-        out.append(nk.Config(bm, w, max(1, 32 // w)) if guess.stages else pipelined[0])
+        out.append(nk.Config(bm, w, max(1, 32 // w) if backward else 0) if guess.stages else pipelined[0])
     for m, warps in tiles:
         resident = max(1, 32 // warps)
         grids = (resident, 2 * resident, 0) if backward else (0, resident, 2 * resident)
@@ -187,8 +187,8 @@ def measure(op: str, elements: int, cols: int, shapes: int, only: list[nk.Config
 
     bias_dtype = None if rms else torch.bfloat16
     for phase in ("fwd", "bwd"):
-        guess = nk._config(cols, torch.bfloat16, rows, phase == "bwd")
-        for config in only or candidates(cols, rows, phase == "bwd", shapes):
+        guess = nk._config(cols, torch.bfloat16, rows, phase == "bwd", layer_norm_forward=not rms)
+        for config in only or candidates(cols, rows, phase == "bwd", shapes, layer_norm=not rms):
             if phase == "fwd":
                 call = lambda x, w, b, dy, c=config: nk.forward(x, w, b, EPS, rms, True, config=c)  # noqa: E731
                 err = _rel(call(*sets[0])[:1], want[:1])
@@ -263,7 +263,8 @@ def main() -> None:
                              and r["rel_err"] < BAD), key=lambda r: r["gbps"]) for phase in ("fwd", "bwd")]
                 only = list(dict.fromkeys(
                     [nk.Config(r["block_m"], r["num_warps"], r["programs_per_sm"], r["stages"]) for r in best]
-                    + [nk._config(cols, torch.bfloat16, (1 << args.per_head) // cols, b) for b in (False, True)]))
+                    + [nk._config(cols, torch.bfloat16, (1 << args.per_head) // cols, b, layer_norm_forward=op == "ln")
+                       for b in (False, True)]))
                 rows += measure(op, 1 << args.per_head, cols, args.shapes, only)
             add_ratios(rows, copy)
             report.write_csv(rows, args.out / "norm_kernel.csv", COLUMNS)  # kept as it grows: a cut-off run still says

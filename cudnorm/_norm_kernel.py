@@ -16,7 +16,8 @@ kernels beside cuDNN's plans and PyTorch's ops per call signature; they serve an
   of two the loop is Triton's software-pipelined ``tl.range`` (the next tiles' loads in flight
   through shared memory while one is computed: padded tiles hold too few bytes a load to keep
   the memory busy otherwise), its grid as many programs as the SMs hold of the compiled
-  kernel (its registers and shared memory). A second launch sums the
+  kernel (its registers and shared memory); LayerNorm's training forward loops the same way up to
+  width 208, where elsewhere a forward program computes one tile. A second launch sums the
   ``[N, programs]`` fp32 partials in a fixed order and writes dweight and dbias in their dtypes:
   deterministic, no atomics. (PyTorch's sum of ``[programs, N]`` partial rows over its first dim,
   then a cast, cost 10-14 us more than the kernel alone on an H200, a sixth of a narrow
@@ -64,8 +65,8 @@ class Config(NamedTuple):
     """A launch shape. ``block_m``: rows per tile (a power of two); ``num_warps``: per program;
     ``programs_per_sm``: the grid is ``SMs * programs_per_sm`` programs looping over the tiles,
     :data:`RESIDENT` as many as the SMs hold of the compiled kernel, or, with 0, one program per
-    tile (for the backward this means one partial row per tile); ``stages``: the backward's tile
-    loop software-pipelined over that many stages (Triton's ``tl.range(num_stages=...)``), 0 a
+    tile (for the backward this means one partial row per tile); ``stages``: the tile loop
+    software-pipelined over that many stages (Triton's ``tl.range(num_stages=...)``), 0 a
     plain loop (also what Triton's interpreter runs)."""
 
     block_m: int
@@ -93,10 +94,14 @@ _BACKWARD_WARPS_PER_SM = 32
 # docs/performance.md, Decisions): tiles of 2048 elements over 4 warps, the loop pipelined over 3
 # stages, the grid what the SMs hold of it (80-107 registers a thread: 4-6 programs an SM).
 # LayerNorm backward at 96, 192 and 240 went from 67-74% to 77-84% of a copy; at powers of two
-# (64, 128, 256) the plain loop was as fast or faster (RMSNorm 256: 85% against 79%)
+# (64, 128, 256) the plain loop was as fast or faster (RMSNorm 256: 85% against 79%). LayerNorm's
+# unmodulated training forward the same way up to 208: 72-208 went from 68-85% to 71-90% of a copy;
+# from 224 it lost 1-6 points, and so did the forward without statistics, RMSNorm's forward and
+# the powers of two (norm_kernel_forward_training.csv, norm_kernel_forward_pipelined.csv)
 _PIPELINED_TILE_ELEMENTS = 2048
 _PIPELINED_STAGES = 3
 _PIPELINED_MAX_COLS = 256
+_PIPELINED_FORWARD_MAX_COLS = 208
 
 
 def _pow2(n: int) -> int:
@@ -112,13 +117,18 @@ def tile_shape(cols: int, rows: int, backward: bool = False) -> tuple[int, int]:
     return min(max(1, _TILE_ELEMENTS[backward] // block_n), _pow2(rows)), _NARROW_WARPS
 
 
-def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False) -> Config:
-    """The launch shape for ``rows`` rows of ``cols`` values of ``dtype``, forward or backward.
+def _config(cols: int, dtype: torch.dtype, rows: int, backward: bool = False,
+            layer_norm_forward: bool = False) -> Config:
+    """The launch shape for ``rows`` rows of ``cols`` values of ``dtype``, forward or backward;
+    ``layer_norm_forward``: a training forward (statistics written) that is LayerNorm's,
+    unmodulated (it pipelines where the backward does, up to width 208; without statistics the
+    forward measured faster one tile a program).
 
     The constants above come from ``benchmarks/norm_kernel.py``, which times candidate shapes
     against this one per width."""
     block_n = _pow2(cols)
-    if backward and cols != block_n and cols <= _PIPELINED_MAX_COLS and dtype.itemsize == 2:
+    widest = _PIPELINED_MAX_COLS if backward else _PIPELINED_FORWARD_MAX_COLS if layer_norm_forward else 0
+    if cols != block_n and cols <= widest and dtype.itemsize == 2:
         return Config(min(_PIPELINED_TILE_ELEMENTS // block_n, _pow2(rows)), _NARROW_WARPS, RESIDENT,
                       _PIPELINED_STAGES)
     block_m, warps = tile_shape(cols, rows, backward)
@@ -144,16 +154,58 @@ def _kernels():
     # scale and shift of an adaptive norm: per sample, or per token with seq 1, read in place
     # from a chunk of a Linear's output), row r of x taking row r // seq of them, the gain
     # 1 + scale where ONE_PLUS
+    # one tile of the forward: writes its y (and statistics where STATS)
+    @triton.jit
+    def _forward_tile(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, w, b, tile, rows, eps, seq, local, offsets,
+                      cols, in_row, COLS: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
+                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr, MODULATED: tl.constexpr,
+                      ONE_PLUS: tl.constexpr, W_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr):
+        first = tile.to(tl.int64) * BLOCK_M
+        live = local < rows - first
+        mask = live[:, None] & in_row[None, :]
+        x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / COLS
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / COLS + eps)
+        y = xc * rstd[:, None]
+        if MODULATED:  # a tile may hold rows of two samples: each row reads its own sample's
+            source = ((first + local) // seq)[:, None]
+            gain = tl.load(w_ptr + source * W_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ONE_PLUS:
+                gain = gain + 1.0
+            y = y * gain
+            if HAS_B:
+                y = y + tl.load(b_ptr + source * B_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            if HAS_W:
+                y = y * w[None, :]
+            if HAS_B:
+                y = y + b[None, :]
+        tl.store(y_ptr + first * COLS + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if STATS:
+            if not RMS:
+                tl.store(mean_ptr + first + local, mean, mask=live)
+            tl.store(rstd_ptr + first + local, rstd, mask=live)
+
+    # Triton's interpreter runs a kernel's source again in its module's globals, closures lost:
+    # the kernels find their helpers there
+    globals()["_forward_tile"] = _forward_tile
+
     @triton.jit(do_not_specialize=["rows", "tiles", "seq"])
     def norm_forward(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, rows, tiles, eps, seq,
                      COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RMS: tl.constexpr,
                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr,
                      MODULATED: tl.constexpr, ONE_PLUS: tl.constexpr, W_STRIDE: tl.constexpr,
-                     B_STRIDE: tl.constexpr):
+                     B_STRIDE: tl.constexpr, STAGES: tl.constexpr):
         program = tl.program_id(0)
         programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_N)
         in_row = cols < COLS
+        w = tl.zeros((BLOCK_N,), dtype=tl.float32)  # unused where absent or modulated
+        b = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if not MODULATED:
             if HAS_W:
                 w = tl.load(w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -161,38 +213,18 @@ def _kernels():
                 b = tl.load(b_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         local = tl.arange(0, BLOCK_M)
         offsets = local[:, None] * COLS + cols[None, :]
-        tile = program
-        while tile < tiles:
-            first = tile.to(tl.int64) * BLOCK_M
-            live = local < rows - first
-            mask = live[:, None] & in_row[None, :]
-            x = tl.load(x_ptr + first * COLS + offsets, mask=mask, other=0.0).to(tl.float32)
-            if RMS:
-                xc = x
-            else:
-                mean = tl.sum(x, axis=1) / COLS
-                xc = tl.where(mask, x - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / COLS + eps)
-            y = xc * rstd[:, None]
-            if MODULATED:  # a tile may hold rows of two samples: each row reads its own sample's
-                source = ((first + local) // seq)[:, None]
-                gain = tl.load(w_ptr + source * W_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                if ONE_PLUS:
-                    gain = gain + 1.0
-                y = y * gain
-                if HAS_B:
-                    y = y + tl.load(b_ptr + source * B_STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:
-                if HAS_W:
-                    y = y * w[None, :]
-                if HAS_B:
-                    y = y + b[None, :]
-            tl.store(y_ptr + first * COLS + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
-            if STATS:
-                if not RMS:
-                    tl.store(mean_ptr + first + local, mean, mask=live)
-                tl.store(rstd_ptr + first + local, rstd, mask=live)
-            tile += programs
+        if STAGES > 0:  # the next tiles' loads in flight while this one computes
+            for tile in tl.range(program, tiles, programs, num_stages=STAGES):
+                _forward_tile(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, w, b, tile, rows, eps, seq, local, offsets,
+                              cols, in_row, COLS, BLOCK_M, RMS, HAS_W, HAS_B, STATS, MODULATED, ONE_PLUS, W_STRIDE,
+                              B_STRIDE)
+        else:
+            tile = program
+            while tile < tiles:
+                _forward_tile(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, w, b, tile, rows, eps, seq, local, offsets,
+                              cols, in_row, COLS, BLOCK_M, RMS, HAS_W, HAS_B, STATS, MODULATED, ONE_PLUS, W_STRIDE,
+                              B_STRIDE)
+                tile += programs
 
     # one tile of the backward: writes its dx, returns the running column sums with its rows added
     @triton.jit
@@ -227,8 +259,6 @@ def _kernels():
             sum_dy += dy
         return sum_dy_xhat, sum_dy
 
-    # Triton's interpreter runs a kernel's source again in its module's globals, closures lost:
-    # the backward finds its helper there
     globals()["_backward_tile"] = _backward_tile
 
     @triton.jit(do_not_specialize=["rows", "tiles"])
@@ -396,9 +426,10 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     stats = torch.empty((1 if rms else 2, rows), dtype=_F32, device=x.device) if training else None
     if rows == 0:
         return y, stats
-    config = config or _config(cols, x.dtype, rows)
+    config = config or _config(cols, x.dtype, rows, layer_norm_forward=not rms and seq == 0 and training)
+    if not x.is_cuda:
+        config = config._replace(stages=0)  # Triton's interpreter runs the plain loop only
     tiles = -(-rows // config.block_m)
-    programs = _programs(x.device, config, tiles)
     mean, rstd = (stats[0], stats[-1]) if training else (y, y)  # unused pointers when not training
     if seq > 0:  # modulation rows read in place: any row stride, unit column stride
         weight, bias = (None if t is None else t if t.stride(-1) == 1 else t.contiguous() for t in (weight, bias))
@@ -409,7 +440,10 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     meta = {"COLS": cols, "BLOCK_N": _pow2(cols), "BLOCK_M": config.block_m, "RMS": rms,
             "HAS_W": weight is not None, "HAS_B": bias is not None, "STATS": training,
             "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps,
-            "W_STRIDE": _row_stride(weight, seq, cols), "B_STRIDE": _row_stride(bias, seq, cols)}
+            "W_STRIDE": _row_stride(weight, seq, cols), "B_STRIDE": _row_stride(bias, seq, cols),
+            "STAGES": config.stages}
+    resident = config.programs_per_sm == RESIDENT and x.is_cuda
+    programs = _programs(x.device, config, tiles, _triton_launch.loaded(_kernels()[0], args, meta) if resident else None)
     _triton_launch.launch(_kernels()[0], programs, args, meta)
     return y, stats
 
@@ -518,7 +552,7 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
     launched from C++ (a lent H200, docs/performance.md), which decided narrow training calls
     against it wherever the step is host-bound."""
     rows, cols = x.shape
-    config = _config(cols, x.dtype, rows, backward)
+    config = _config(cols, x.dtype, rows, backward, layer_norm_forward=not rms and per_token is None and training)
     device = x.device if x.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     tiles = -(-rows // config.block_m)
     if rows >= 2**31 or tiles >= 2**31:
@@ -536,7 +570,7 @@ def native_launch(x: torch.Tensor, rms: bool, training: bool, weight_dtype: torc
         dtypes = (x.dtype, wdtype, bias_dtype or x.dtype, x.dtype, stats, stats)
         one_plus, w_stride, b_stride = per_token or (False, cols, cols)
         meta.update(HAS_B=bias_dtype is not None, STATS=training, MODULATED=per_token is not None, ONE_PLUS=one_plus,
-                    W_STRIDE=w_stride, B_STRIDE=b_stride)
+                    W_STRIDE=w_stride, B_STRIDE=b_stride, STAGES=config.stages)
         scalars = (rows, tiles, 1e-5, 1)
     with torch.cuda.device(device):
         compiled = _kernels()[backward].warmup(*dtypes, *scalars, grid=(1,), **meta)

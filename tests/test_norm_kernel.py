@@ -199,9 +199,10 @@ def test_config_shapes(cols, rows):
 
 
 def test_backward_pipelines_narrow_padded_half_precision_rows():
-    """The measured rule: a backward's loop is pipelined (its grid sized by the compiled kernel)
-    where a narrow half-precision row pads its tile; powers of two, fp32, wider rows and the
-    forward keep the plain shape."""
+    """The measured rule: a backward's loop, and LayerNorm's unmodulated training forward up to
+    width 208, are pipelined (their grid sized by the compiled kernel) where a narrow
+    half-precision row pads its tile; powers of two, fp32, wider rows and other forwards keep the
+    plain shape."""
     for cols in (72, 88, 96, 136, 192, 200, 248):
         for dtype in (BF16, F16):
             c = nk._config(cols, dtype, 1 << 20, backward=True)
@@ -210,7 +211,11 @@ def test_backward_pipelines_narrow_padded_half_precision_rows():
     assert nk._config(88, BF16, 5, backward=True).block_m == 8  # no taller than the rows need
     for cols, dtype in ((64, BF16), (128, F16), (256, BF16), (96, F32), (320, BF16), (1152, BF16)):
         assert nk._config(cols, dtype, 1 << 20, backward=True).stages == 0, (cols, dtype)
-    assert nk._config(96, BF16, 1 << 20).stages == 0
+    assert nk._config(96, BF16, 1 << 20).stages == 0  # RMSNorm's or a modulated forward
+    for cols in (72, 96, 136, 208):
+        assert nk._config(cols, F16, 1 << 20, layer_norm_forward=True) == nk._config(cols, F16, 1 << 20, backward=True)
+    for cols, dtype in ((128, BF16), (96, F32), (224, F16), (248, BF16)):
+        assert nk._config(cols, dtype, 1 << 20, layer_norm_forward=True).programs_per_sm == 0, (cols, dtype)
     assert nk.tile_shape(96, 1 << 20, backward=True) == (8, 4)  # the plain tile: 1024 elements
 
 
