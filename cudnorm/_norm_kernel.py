@@ -442,9 +442,13 @@ def forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
             "MODULATED": seq > 0, "ONE_PLUS": one_plus, "num_warps": config.num_warps,
             "W_STRIDE": _row_stride(weight, seq, cols), "B_STRIDE": _row_stride(bias, seq, cols),
             "STAGES": config.stages}
-    resident = config.programs_per_sm == RESIDENT and x.is_cuda
-    programs = _programs(x.device, config, tiles, _triton_launch.loaded(_kernels()[0], args, meta) if resident else None)
-    _triton_launch.launch(_kernels()[0], programs, args, meta)
+    kernel = _kernels()[0]
+    if config.programs_per_sm == RESIDENT and x.is_cuda:  # the grid sized by the compiled kernel
+        found_by = _triton_launch.key(kernel, args, meta)
+        programs = _programs(x.device, config, tiles, _triton_launch.loaded(kernel, args, meta, found_by))
+    else:
+        found_by, programs = None, _programs(x.device, config, tiles)
+    _triton_launch.launch(kernel, programs, args, meta, found_by)
     return y, stats
 
 

@@ -44,8 +44,8 @@ def handle(compiled, parameters: list[str]) -> tuple[int, int, int, int] | None:
     return int(compiled.function), 32 * meta.num_warps, meta.shared, sum(hasattr(meta, name) for name in _SCRATCH)
 
 
-# (kernel, device, what Triton specialises each argument on, constexprs) -> the compiled
-# kernel's handle and argument order (:func:`_plain`), or None where C++ cannot launch it
+# (kernel, device, what Triton specialises each argument on, constexprs): :func:`key` -> the
+# compiled kernel's handle and argument order (:func:`_plain`), or None where C++ cannot launch it
 _HANDLES = _lru.LRU("triton_launches", 256)
 _MISSING = object()
 
@@ -60,6 +60,13 @@ def _specialised(value) -> object:
     if isinstance(value, int):
         return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
     return type(value)
+
+
+def key(kernel, args: tuple, meta: dict) -> tuple:
+    """What :func:`loaded` and :func:`launch` look a compiled kernel up by: the kernel, the first
+    argument's device, what Triton specialises each argument on and the constexprs. A caller
+    that makes both calls builds it once and passes it to both."""
+    return (kernel, args[0].get_device(), *map(_specialised, args), *meta.items())
 
 
 def _plain(kernel, args: tuple, meta: dict) -> tuple | None:
@@ -84,18 +91,18 @@ def _plain(kernel, args: tuple, meta: dict) -> tuple | None:
 _LOADED = _lru.LRU("triton_loaded_kernels", 256)
 
 
-def loaded(kernel, args: tuple, meta: dict):
+def loaded(kernel, args: tuple, meta: dict, found_by: tuple | None = None):
     """The compiled kernel :func:`launch` runs for ``args`` and ``meta`` (tensors on one CUDA
     device), its module loaded so that its register count and shared memory are known (what sizes
-    a grid of as many programs as the SMs hold); compiled on first use, then a lookup."""
-    first = args[0]
-    key = (kernel, first.get_device(), *map(_specialised, args), *meta.items())
-    found = _LOADED.peek(key)
+    a grid of as many programs as the SMs hold); compiled on first use, then a lookup.
+    ``found_by``: :func:`key` of the call where the caller has it."""
+    found_by = found_by or key(kernel, args, meta)
+    found = _LOADED.peek(found_by)
     if found is None:
-        with torch.cuda.device(first.device):
+        with torch.cuda.device(args[0].device):
             found = kernel.warmup(*args, grid=(1,), **meta)
             found.run  # noqa: B018 - loads the module: sets its register count
-        _LOADED.put(key, found)
+        _LOADED.put(found_by, found)
     return found
 
 
@@ -104,30 +111,30 @@ def _bits(value: int | float) -> int:
     return value if isinstance(value, int) else struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def launch(kernel, grid: int, args: tuple, meta: dict) -> None:
+def launch(kernel, grid: int, args: tuple, meta: dict, found_by: tuple | None = None) -> None:
     """``kernel[(grid,)](*args, **meta)`` on the current stream of the first argument's device,
     ``args`` positional runtime arguments (tensors on one device, ints, floats), ``meta`` the
     constexprs and ``num_warps``. While the native path serves, C++ launches the compiled
     kernel (``cuLaunchKernel``), its handle found by what Triton specialises the call on;
     otherwise, or where C++ cannot launch that kernel, Triton's own launcher (about twice the
     host time: 62.5 against 32.9 us a norm forward on a lent H200, docs/performance.md,
-    Decisions)."""
+    Decisions). ``found_by``: :func:`key` of the call where the caller has it."""
     first = args[0]
     if first.is_cuda and first.get_device() != torch.cuda.current_device():
         with torch.cuda.device(first.device):  # a launch goes to the current device's stream
-            _launch(kernel, grid, args, meta)
+            _launch(kernel, grid, args, meta, found_by)
     else:
-        _launch(kernel, grid, args, meta)
+        _launch(kernel, grid, args, meta, found_by)
 
 
-def _launch(kernel, grid: int, args: tuple, meta: dict) -> None:
+def _launch(kernel, grid: int, args: tuple, meta: dict, found_by: tuple | None) -> None:
     first = args[0]
     if native is not None and first.is_cuda:
-        key = (kernel, first.get_device(), *map(_specialised, args), *meta.items())
-        found = _HANDLES.get(key, _MISSING)
+        found_by = found_by or key(kernel, args, meta)
+        found = _HANDLES.get(found_by, _MISSING)
         if found is _MISSING:
             found = _plain(kernel, args, meta)
-            _HANDLES.put(key, found)
+            _HANDLES.put(found_by, found)
         if found is not None:
             function, threads, shared, scratch, pointers, scalars = found
             native(function, grid, threads, shared, scratch, tuple(args[i] for i in pointers),

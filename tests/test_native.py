@@ -273,6 +273,28 @@ def test_python_launches_go_through_cpp_while_native_serves(monkeypatch):
     assert len(switched) == 1 and [entry[0] for entry in launched] == ["cpp"]
 
 
+def test_one_key_serves_the_grid_and_the_launch(monkeypatch):
+    """A launch whose grid is sized by the compiled kernel (``loaded``) builds the lookup key once
+    and hands it to both lookups: neither builds it again; a launch without it builds its own."""
+    from cudnorm import _triton_launch
+
+    launched, compiles = [], []
+    monkeypatch.setattr(_triton_launch, "native", lambda *args: launched.append(("cpp", *args)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kernel = _stand_in_kernel({"x": "*bf16", "rows": "i32"}, compiles, launched)
+    x = torch.Tensor._make_subclass(_OnDevice, torch.zeros(64, dtype=BF16))
+    args, meta = (x, 100), {"BLOCK": 64, "num_warps": 4}
+    found_by = _triton_launch.key(kernel, args, meta)
+    built, specialised = [], _triton_launch._specialised
+    monkeypatch.setattr(_triton_launch, "_specialised", lambda value: built.append(value) or specialised(value))
+    _triton_launch.loaded(kernel, args, meta, found_by)
+    _triton_launch.launch(kernel, 5, args, meta, found_by)
+    assert built == [] and [entry[:3] for entry in launched] == [("cpp", 0x7F00, 5)]
+    _triton_launch.launch(kernel, 5, args, meta)
+    assert len(built) == len(args) and len(launched) == 2
+
+
 def test_kernel_fallbacks_match_pytorch():
     """What kernel.cpp asks Python for where it cannot launch the kernel: the kernel's own
     forward and backward (run under Triton's interpreter, in a child process)."""
