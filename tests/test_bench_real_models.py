@@ -13,7 +13,7 @@ import torch
 
 import cudnorm
 from cudnorm import cli
-from cudnorm._bench import model_zoo, models, real_models
+from cudnorm._bench import model_zoo, models, models_report, real_models
 from cudnorm._bench.real_models import limit
 
 pytest.importorskip("diffusers")
@@ -190,7 +190,7 @@ def test_round_by_round_spread_says_when_a_row_lies_beyond_the_noise():
     assert models.against_noise(rows["cudnorm"], rows["torch-again"]) == "slower"
     assert models.against_noise(rows["limit"], rows["torch-again"]) == "faster"
     assert models.against_noise(rows["torch-again"], rows["torch-again"]) == ""
-    line = {r[1]: r for r in models._real_lines(list(rows.values()))[1:]}
+    line = {r[1]: r for r in models_report._real_lines(list(rows.values()))[1:]}
     assert line["cudnorm"][3] == "0.90-0.90 slower" and line["limit"][3] == "1.20-1.20 faster"
     assert line["torch"][3] == "" and "slower" not in line["torch-again"][3]
     # within the noise: no verdict; too few rounds or a row read back from a CSV: no spread

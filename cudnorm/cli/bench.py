@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .. import _bench
-from .._bench import host_overhead, model_zoo, models, plots, providers, real_models, report, runner, sweep
+from .._bench import host_overhead, model_zoo, models, models_report, plots, providers, real_models, report, runner, sweep
 from .._spec import dtype_from_name
 from . import _args
 
@@ -229,11 +229,11 @@ SWEEP_LEGEND = ("ratio = PyTorch's GPU time / the provider's (> 1: faster than P
 
 
 def _redraw_models(rows: list[dict], path: Path) -> int:
-    png = models.plot(rows, path.resolve().parent.name, path.with_suffix(".png"))
+    png = models_report.plot(rows, path.resolve().parent.name, path.with_suffix(".png"))
     print(f"redrew {png}" if png else "no PNG: matplotlib is not installed or nothing was timed")
     call, latest = plots.latest_run(rows)
-    print("\n" + models.LEGEND)
-    for title, lines in models.tables(latest).items():
+    print("\n" + models_report.LEGEND)
+    for title, lines in models_report.tables(latest).items():
         print(f"\n{title}" + (f" (call {call})" if call else "") + f"\n{report.text_table(lines, right=0)}")
     return 0
 
@@ -380,7 +380,7 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
                     f"K = {settings.steps} steps ({settings.decode_steps} decode), "
                     f"{settings.warmup} warm-up steps",
             "providers": "; ".join(notes), "run time": f"{time.perf_counter() - started:.0f} s"}
-    png, lines_by_title = models.write_report(rows, meta, out)
+    png, lines_by_title = models_report.write_report(rows, meta, out)
     print(f"\nwrote {out / 'models.csv'}, {out / 'models.md'}"
           + (f", {png}" if png else " (no PNG: matplotlib missing or nothing timed)") + f" after {meta['run time']}")
     failed = [r for r in rows if r["provider"].startswith("cudnorm") and not r["status"].startswith("ok")]
@@ -388,7 +388,7 @@ def _run_models(args, device: str, out: Path, asked: list[str], cases: list) -> 
         print(f"FAILED: cudnorm {r['case']}: {r['status']}")
     if device == "cpu":
         print("\n" + CPU_CAVEAT)
-    print("\n" + models.LEGEND)
+    print("\n" + models_report.LEGEND)
     for title, lines in lines_by_title.items():
         print(f"\n{title}\n{report.text_table(lines, right=0)}")
     return 1 if failed else 0
