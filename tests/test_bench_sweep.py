@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cudnorm import _candidates, cli
-from cudnorm._bench import sweep
+from cudnorm._bench import sweep, sweep_report
 
 
 def test_default_grid_follows_the_issue_rules():
@@ -127,7 +127,7 @@ def test_copy_fractions_take_narrow_large_cells_only():
             _row("copy", 1.0, cols=192), _row("cudnorm", 1.0 / 0.7, cols=192), _row("torch", 4.0, cols=192),
             _row("copy", 1.0, cols=512), _row("cudnorm", 10.0, cols=512),  # too wide: left out
             _row("copy", 1.0, elements=1 << 21), _row("cudnorm", 10.0, elements=1 << 21)]  # too few elements
-    [header, line] = sweep.copy_fractions(rows)
+    [header, line] = sweep_report.copy_fractions(rows)
     assert header[1:] == ["count", "cudnorm median / worst", "torch median / worst"]
     assert line == ["layer_norm train bf16/w=bf16/b=True", "3", "70% / 50%", "25% / 25%"]
 
@@ -136,28 +136,28 @@ def test_copy_fractions_take_narrow_large_cells_only():
 def test_a_cell_counts_at_the_power_of_two_it_was_sized_from(exp):
     for cols in (8, 64, 72, 88, 192, 1152, 1408, 2240, 3000, 4096, 12288):
         if 1 << exp >= cols:
-            assert sweep.exponent(_row("cudnorm", 1.0, cols=cols, elements=1 << exp)) == exp, cols
+            assert sweep_report.exponent(_row("cudnorm", 1.0, cols=cols, elements=1 << exp)) == exp, cols
 
 
 def test_medians_count_widths_that_do_not_divide_the_element_count():
     rows = [_row("cudnorm", 1.0, cols=c, elements=1 << 21, ratio_vs_torch=r)
             for c, r in ((1152, 1.5), (1408, 1.1), (2048, 1.3))]
     rows.append(_row("cudnorm", 1.0, cols=1152, elements=1 << 17, ratio_vs_torch=9.0))  # below 2^21: left out
-    assert sweep.medians(rows)[1:] == [["layer_norm train bf16/w=bf16/b=True", "3", "1.300x", "-"],
+    assert sweep_report.medians(rows)[1:] == [["layer_norm train bf16/w=bf16/b=True", "3", "1.300x", "-"],
                                        ["all", "3", "1.300x", "-"]]
 
 
 def test_measure_costs_summarise_the_dispatchers_first_calls():
     rows = [_row("cudnorm", 1.0, measure_ms=ms) for ms in (4.0, 30.0, 8.0, None)] + [_row("torch", 1.0, measure_ms=99.0)]
-    assert sweep.measure_costs(rows) == [["measured signatures", "median ms", "p90 ms", "worst ms"],
+    assert sweep_report.measure_costs(rows) == [["measured signatures", "median ms", "p90 ms", "worst ms"],
                                          ["3", "8.0", "8.0", "30.0"]]
-    assert sweep.measure_costs([_row("cudnorm", 1.0)]) == [["measured signatures"]]
+    assert sweep_report.measure_costs([_row("cudnorm", 1.0)]) == [["measured signatures"]]
 
 
 def test_heatmap_rows_are_the_element_counts_the_cells_were_sized_from():
     rows = [_row("cudnorm", 1.0, cols=c, elements=1 << e, ratio_vs_torch=r)
             for c, e, r in ((192, 25, 2.0), (256, 25, 3.0), (192, 26, 4.0), (1152, 21, 0.5))]
-    exps, widths, values = sweep.heat_grid(rows, "layer_norm train bf16/w=bf16/b=True")
+    exps, widths, values = sweep_report.heat_grid(rows, "layer_norm train bf16/w=bf16/b=True")
     assert exps == [21, 25, 26] and widths == [192, 256, 1152]
     assert values[1][:2] == [2.0, 3.0] and values[2][0] == 4.0 and values[0][2] == 0.5
     assert sum(v == v for line in values for v in line) == 4  # the other cells: NaN (not timed)

@@ -19,19 +19,18 @@ each); the main process then loads each in milliseconds. The dispatcher's own fi
 measurement stays in the main process, alone on the GPU.
 
 Outputs under ``--out``: ``sweep.csv`` (:data:`COLUMNS`, one row per cell and provider),
-``sweep_<op>_<direction>.png`` (cudnorm / PyTorch by width and element count), ``summary.md``
-and, on a GPU, ``prior.json`` (``{"gpu", "cudnn", "torch", "command", "cells": {signature key:
-{candidate: ms}}}``, the :mod:`cudnorm._candidates` closures timed by their own
-:func:`~cudnorm._candidates.time_closures`; copy it to ``cudnorm/priors/<gpu slug>.json``).
+``sweep_<op>_<direction>.png`` (cudnorm / PyTorch by width and element count) and ``summary.md``
+(both drawn by :mod:`.sweep_report`), and, on a GPU, ``prior.json`` (``{"gpu", "cudnn", "torch",
+"command", "cells": {signature key: {candidate: ms}}}``, the :mod:`cudnorm._candidates` closures
+timed by their own :func:`~cudnorm._candidates.time_closures`; copy it to
+``cudnorm/priors/<gpu slug>.json``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import functools
 import json
-import math
 import multiprocessing
 import os
 import statistics
@@ -515,190 +514,3 @@ def prior_document(prior: dict, command: str) -> dict:
     return {"gpu": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
             "torch": torch.__version__, "command": command, "candidates_revision": _candidates.REVISION,
             "cells": prior}
-
-
-# -- reading the results -------------------------------------------------------------------------
-
-_INTS = ("cols", "rows", "elements")
-_FLOATS = ("gpu_ms", "host_us", "ratio_vs_torch", "measure_ms")
-
-
-def read_csv(path: Path) -> list[dict]:
-    """Rows of a ``sweep.csv``, numbers as numbers, blanks as ``None``."""
-    with open(path, newline="") as f:
-        return [{k: (None if v == "" and k in _INTS + _FLOATS else int(v) if k in _INTS
-                     else float(v) if k in _FLOATS else v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def _case(r: dict) -> str:
-    return f"{r['op']} {r['direction']} {r['dtype']}/w={r['weight_dtype']}/b={r['bias']}"
-
-
-def exponent(r: dict) -> int:
-    """The power of two ``e`` a cell was sized from: its rows are ``2^e // cols``, so a width that
-    does not divide ``2^e`` (72, 192, 1152, ...) leaves fewer elements than ``2^e``, yet more than
-    ``2^(e-1)`` (one row at least): ``e`` is the element count's log2 rounded up."""
-    return (int(r["elements"]) - 1).bit_length()
-
-
-def _ratios(rows: list[dict], provider: str = "cudnorm") -> list[dict]:
-    return [r for r in rows if r["provider"] == provider and r.get("ratio_vs_torch")]
-
-
-def worst_table(rows: list[dict], count: int = 20) -> list[list[str]]:
-    """The ``count`` cells where cudnorm's ratio to PyTorch is lowest, with every provider's ratio."""
-    by_cell = defaultdict(dict)
-    for r in rows:
-        by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
-    others = [p for p in PROVIDERS if p not in ("torch", "cudnorm") and any(r["provider"] == p for r in rows)]
-    worst = sorted(_ratios(rows), key=lambda r: r["ratio_vs_torch"])[:count]
-    lines = [["cell", "N", "rows", "torch ms", "cudnorm ms", "cudnorm", "serves", *others]]
-    for r in worst:
-        got = by_cell[(_case(r), r["cols"], r["rows"])]
-        ratio = {p: got[p].get("ratio_vs_torch") for p in others if p in got}
-        lines.append([_case(r), str(r["cols"]), str(r["rows"]), f"{got['torch']['gpu_ms']:.4f}",
-                      f"{r['gpu_ms']:.4f}", f"{r['ratio_vs_torch']:.2f}x", r.get("serves") or "",
-                      *(f"{ratio[p]:.2f}x" if ratio.get(p) else "-" for p in others)])
-    return lines
-
-
-def medians(rows: list[dict]) -> list[list[str]]:
-    """cudnorm's median ratio for widths >= 512 at >= 2^21 elements, per op/direction and overall
-    (issue 46's target: >= 1.15x), beside PyTorch again's."""
-    lines = [["cells (N >= 512, >= 2^21 elements)", "count", "cudnorm median", "torch-again median"]]
-
-    def kept(provider):
-        return [r for r in _ratios(rows, provider) if r["cols"] >= 512 and exponent(r) >= 21]
-
-    groups = defaultdict(lambda: defaultdict(list))
-    for provider in ("cudnorm", "torch-again"):
-        for r in kept(provider):
-            groups[_case(r)][provider].append(r["ratio_vs_torch"])
-            groups["all"][provider].append(r["ratio_vs_torch"])
-    for case, got in groups.items():
-        lines.append([case, str(len(got["cudnorm"])), *(f"{statistics.median(got[p]):.3f}x" if got[p] else "-"
-                                                         for p in ("cudnorm", "torch-again"))])
-    return lines
-
-
-def worst_per_provider(rows: list[dict]) -> list[list[str]]:
-    lines = [["provider", "worst cell", "N", "rows", "ratio", "failed cells"]]
-    for provider in dict.fromkeys(r["provider"] for r in rows):
-        mine = [r for r in rows if r["provider"] == provider]
-        failed = sum(1 for r in mine if r.get("error") and not r["error"].startswith("unsupported"))
-        timed = [r for r in mine if r.get("ratio_vs_torch")]
-        if not timed:
-            lines.append([provider, "-", "", "", "", str(failed)])
-            continue
-        r = min(timed, key=lambda r: r["ratio_vs_torch"])
-        lines.append([provider, _case(r), str(r["cols"]), str(r["rows"]), f"{r['ratio_vs_torch']:.2f}x", str(failed)])
-    return lines
-
-
-def copy_fractions(rows: list[dict], providers_: Iterable[str] = ("cudnorm", "kernel", "torch")) -> list[list[str]]:
-    """Per op/direction, at widths 64-256 and >= 2^25 elements: each provider's bandwidth as a
-    fraction of the copy's (copy ms / provider ms: issue 46's target >= 80%), median and worst."""
-    by_cell = defaultdict(dict)
-    for r in rows:
-        if 64 <= r["cols"] <= 256 and exponent(r) >= 25 and r.get("gpu_ms"):
-            by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r["gpu_ms"]
-    providers_ = [p for p in providers_ if any(p in got for got in by_cell.values())]
-    lines = [["cells (N 64-256, >= 2^25 elements)", "count", *(f"{p} median / worst" for p in providers_)]]
-    groups = defaultdict(lambda: defaultdict(list))
-    for (case, _, _), got in by_cell.items():
-        for p in providers_:
-            if "copy" in got and p in got:
-                groups[case][p].append(got["copy"] / got[p])
-    for case, got in sorted(groups.items()):
-        lines.append([case, str(max(map(len, got.values())))] + [
-            f"{statistics.median(got[p]):.0%} / {min(got[p]):.0%}" if got[p] else "-" for p in providers_])
-    return lines
-
-
-def measure_costs(rows: list[dict]) -> list[list[str]]:
-    """The dispatcher's first-call measurement of each signature the sweep met: wall ms of its
-    timing runs (issue 46's target: <= 50 ms), median, 90th percentile and worst. (Building and
-    first-running each candidate, ``prepare=``/``first=`` in the ``decision`` column, is left
-    out: a first call pays that for the kernel that serves it, measured or not.)"""
-    costs = sorted(r["measure_ms"] for r in rows if r["provider"] == "cudnorm" and r.get("measure_ms"))
-    if not costs:
-        return [["measured signatures"]]
-    return [["measured signatures", "median ms", "p90 ms", "worst ms"],
-            [str(len(costs)), f"{statistics.median(costs):.1f}", f"{costs[int(0.9 * (len(costs) - 1))]:.1f}",
-             f"{costs[-1]:.1f}"]]
-
-
-# the heatmaps' colour scale spans 1/3x to 3x (beyond: the end colours), so that a cell a few
-# percent either side of PyTorch still shows, where a scale up to the narrow cells' 40x hid it
-HEAT_REACH = 3.0
-
-
-def heat_grid(rows: list[dict], variant: str) -> tuple[list[int], list[int], list[list[float]]]:
-    """``(exponents, widths, values)`` of one heatmap panel: ``values[i][j]`` is cudnorm's ratio
-    to PyTorch at ``2^exponents[i]`` elements and width ``widths[j]`` (NaN: not timed), over the
-    element counts and widths of all of ``rows`` (one op and direction), so that every panel of a
-    figure has the same axes."""
-    exponents = sorted({exponent(r) for r in rows})
-    widths = sorted({r["cols"] for r in rows})
-    values = [[math.nan] * len(widths) for _ in exponents]
-    for r in rows:
-        if _case(r) == variant:
-            values[exponents.index(exponent(r))][widths.index(r["cols"])] = r["ratio_vs_torch"]
-    return exponents, widths, values
-
-
-def heatmaps(rows: list[dict], device_name: str, out: Path) -> list[Path]:
-    """One PNG per op/direction: cudnorm / PyTorch by width (x) and element count (y), one panel
-    per dtype/weight/bias variant, diverging colours on a log scale centred at 1.0 (red: slower),
-    from 1/:data:`HEAT_REACH` to :data:`HEAT_REACH`."""
-    try:
-        import matplotlib  # noqa: PLC0415 - optional
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-        from matplotlib.colors import LogNorm  # noqa: PLC0415
-    except ImportError:
-        return []
-    timed = _ratios(rows)
-    paths = []
-    for op, direction in dict.fromkeys((r["op"], r["direction"]) for r in timed):
-        mine = [r for r in timed if (r["op"], r["direction"]) == (op, direction)]
-        variants = list(dict.fromkeys(_case(r) for r in mine))
-        norm = LogNorm(vmin=1 / HEAT_REACH, vmax=HEAT_REACH)
-        width_count = len({r["cols"] for r in mine})
-        fig, axes = plt.subplots(len(variants), 1, figsize=(max(8.0, 0.09 * width_count + 2), 0.5 + 1.9 * len(variants)),
-                                 squeeze=False, layout="constrained")
-        for ax, variant in zip(axes[:, 0], variants):
-            counts, widths, grid_values = heat_grid(mine, variant)
-            image = ax.pcolormesh(grid_values, cmap="RdBu", norm=norm)
-            step = max(1, len(widths) // 40)
-            ax.set_xticks([i + 0.5 for i in range(0, len(widths), step)], [str(w) for w in widths[::step]],
-                          rotation=90, fontsize=6)
-            ax.set_yticks([i + 0.5 for i in range(len(counts))], [f"2^{c}" for c in counts], fontsize=7)
-            ax.set_ylabel("elements", fontsize=8)
-            ax.set_title(variant, fontsize=9, loc="left")
-        axes[-1, 0].set_xlabel("width N (rows = elements // N)", fontsize=8)
-        bar = fig.colorbar(image, ax=axes[:, 0].tolist(), extend="both")
-        bar.set_label("speed-up over PyTorch", fontsize=8)
-        ticks = [1 / HEAT_REACH, 0.5, 1.0, 2.0, HEAT_REACH]
-        bar.set_ticks(ticks, labels=[f"{t:.2g}x" for t in ticks], fontsize=7)
-        bar.ax.minorticks_off()
-        fig.suptitle(f"cudnorm (default policy) vs PyTorch, {op} {direction}, {device_name}: PyTorch's GPU time "
-                     "/ cudnorm's (blue > 1: faster)", fontsize=10)
-        path = out / f"sweep_{op}_{direction}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-def summary_markdown(rows: list[dict], meta: dict) -> str:
-    parts = ["# cudnorm bench --sweep", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
-    for title, lines in (("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows)),
-                         ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows)),
-                         ("Worst cell of each provider", worst_per_provider(rows)),
-                         ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows)),
-                         ("First-call measurement (the dispatcher timing a signature's candidates)",
-                          measure_costs(rows))):
-        parts += ["", f"## {title}", "", report.markdown_table(lines) if len(lines) > 1 else "(nothing timed)"]
-    return "\n".join(parts) + "\n"

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from .. import _bench
-from .._bench import host_overhead, model_zoo, models, models_report, plots, providers, real_models, report, runner, sweep
+from .._bench import (host_overhead, model_zoo, models, models_report, plots, providers, real_models, report, runner,
+                      sweep, sweep_report)
 from .._spec import dtype_from_name
 from . import _args
 
@@ -184,7 +185,7 @@ def _typed_rows(redraw, path: Path, call: str | None) -> list[dict]:
     if redraw is _redraw_ops:
         rows = report.read_csv(path)
     elif redraw is _redraw_sweep:
-        rows = sweep.read_csv(path)
+        rows = sweep_report.read_csv(path)
     else:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -211,16 +212,16 @@ def _redraw_ops(rows: list[dict], path: Path) -> int:
 
 
 def _redraw_sweep(rows: list[dict], path: Path) -> int:
-    pngs = sweep.heatmaps(rows, path.resolve().parent.name, path.parent)
+    pngs = sweep_report.heatmaps(rows, path.resolve().parent.name, path.parent)
     print("redrew " + ", ".join(map(str, pngs)) if pngs else "no PNG: matplotlib is not installed or nothing was timed")
     _print_sweep(rows)
     return 0
 
 
 def _print_sweep(rows: list[dict]) -> None:
-    print("\n" + report.text_table(sweep.worst_per_provider(rows), right=0))
-    print("\n" + report.text_table(sweep.medians(rows), right=0))
-    print(f"\n{SWEEP_LEGEND}\nWorst 20 cells\n" + report.text_table(sweep.worst_table(rows), right=0))
+    print("\n" + report.text_table(sweep_report.worst_per_provider(rows), right=0))
+    print("\n" + report.text_table(sweep_report.medians(rows), right=0))
+    print(f"\n{SWEEP_LEGEND}\nWorst 20 cells\n" + report.text_table(sweep_report.worst_table(rows), right=0))
 
 
 SWEEP_LEGEND = ("ratio = PyTorch's GPU time / the provider's (> 1: faster than PyTorch); cudnorm = the default "
@@ -434,7 +435,7 @@ def _run_sweep(args, device: str) -> int:
                      + (f" ({len(failed)} failed, built at first call: {failed[0]})" if failed else ""))
         print(notes[-1])
     rows, prior = sweep.run(cells, chosen, device, out, command)
-    pngs = sweep.heatmaps(rows, device_name, out)
+    pngs = sweep_report.heatmaps(rows, device_name, out)
     meta = {"command": command, "device": device_name, "versions": _bench.versions(), "cells": str(len(cells)),
             "providers": ", ".join(chosen),
             "timing": f"CUDA events around {sweep.ROUNDS} rounds of calls on rotating input sets after a GPU sleep "
@@ -447,7 +448,7 @@ def _run_sweep(args, device: str) -> int:
                          f"{_decisions.gpu_slug(device_name)}.json); prior in effect during the run: "
                          f"{_decisions.prior_file()}")
     meta["run time"] = f"{time.perf_counter() - started:.0f} s"
-    (out / "summary.md").write_text(sweep.summary_markdown(rows, meta))
+    (out / "summary.md").write_text(sweep_report.summary_markdown(rows, meta))
     print(f"\nwrote {out / 'sweep.csv'}, {out / 'summary.md'}" + ("" if prior is None else f", {out / 'prior.json'}")
           + (", " + ", ".join(map(str, pngs)) if pngs else " (no PNG: matplotlib is not installed)")
           + f" after {meta['run time']}")
