@@ -386,11 +386,20 @@ def candidates_for(sig: Signature, *, deterministic: bool = False) -> list[str]:
 
 class Timing(NamedTuple):
     """Milliseconds per call: the median of ``rounds`` timed rounds, and their relative spread
-    ((max - min) / median: how far this measurement can be trusted)."""
+    ((max - min) / median: how far this measurement can be trusted); ``samples``: each round's
+    ms per call, in the order the rounds ran (candidates timed in one round pair up)."""
 
     ms: float
     spread: float
     rounds: int
+    samples: tuple = ()
+
+    @classmethod
+    def of(cls, samples) -> Timing:
+        """The timing of these per-round ms per call."""
+        samples = tuple(samples)
+        mid = statistics.median(samples)
+        return cls(mid, (max(samples) - min(samples)) / mid if mid > 0 else 0.0, len(samples), samples)
 
 
 # A first measurement costs at most about this much GPU time per signature (builds and
@@ -442,8 +451,7 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
         for name, fn in timed.items():
             samples[name].append(_elapsed_ms(fn, reps[name], stream, hosts))
     for name, values in samples.items():
-        mid = statistics.median(values)
-        out[name] = Timing(mid, (max(values) - min(values)) / mid if mid > 0 else 0.0, len(values))
+        out[name] = Timing.of(values)
     if cost is not None:
         cost["timing"] = round((time.perf_counter() - first_done) * 1e3, 2)
     return out
@@ -480,17 +488,77 @@ def _elapsed_ms(fn, reps: int, stream, hosts: dict) -> float:
 # cuDNN (or cudnorm's kernel) replaces PyTorch's op only where it is faster by more than the
 # two measurements' spreads together and at least this much (docs/performance.md, Decisions)
 MIN_GAIN = 0.03
+# A lead beyond MIN_GAIN but inside the spreads is timed again: the leader and the baseline alone,
+# this many more rounds of one timing each, in about this much GPU time; then it is decided on the
+# rounds' pairs (:func:`winner`). One slow round (a host thread preempted, a clock change) no
+# longer hides a 10-40% lead (docs/performance.md, Decisions).
+SETTLE_ROUNDS = 6
+SETTLE_BUDGET_MS = 15.0
+
+
+def _leader(timings: dict[str, Timing], baseline: str) -> str | None:
+    """The fastest candidate by median, if it is not ``baseline`` and the baseline was timed."""
+    if baseline not in timings:
+        return None
+    best = min(timings, key=lambda name: timings[name].ms)
+    return None if best == baseline else best
+
+
+def _paired_leads(best: Timing, base: Timing) -> list[float]:
+    """``base / best - 1`` round by round (the two were timed in the same rounds), or ``[]``
+    where they were not timed in the same rounds long enough to decide on pairs."""
+    if len(best.samples) != len(base.samples) or len(best.samples) < ROUNDS + SETTLE_ROUNDS:
+        return []
+    return [b / a - 1.0 for a, b in zip(best.samples, base.samples) if a > 0]
+
+
+def unsettled(timings: dict[str, Timing], baseline: str = "torch") -> str | None:
+    """The candidate whose lead over ``baseline`` is beyond :data:`MIN_GAIN` but inside the two
+    timings' spreads and not yet timed in paired rounds (:func:`settle` times it), else None."""
+    best = _leader(timings, baseline)
+    if best is None or _paired_leads(timings[best], timings[baseline]):
+        return None
+    lead = timings[baseline].ms / timings[best].ms - 1.0 if timings[best].ms > 0 else float("inf")
+    return best if MIN_GAIN < lead <= timings[best].spread + timings[baseline].spread else None
+
+
+def settle(closures: dict[str, Callable[[], object]], timings: dict[str, Timing], baseline: str = "torch", *,
+           device=None, cost: dict | None = None) -> dict[str, Timing]:
+    """``timings`` with the :func:`unsettled` candidate and ``baseline`` timed
+    :data:`SETTLE_ROUNDS` more rounds (their order alternating, each round one timing of each),
+    their samples appended; unchanged where no lead is unsettled. ``cost["settle"]``: the wall
+    ms it took."""
+    contender = unsettled(timings, baseline)
+    if contender is None:
+        return timings
+    began = time.perf_counter()
+    stream = torch.cuda.current_stream(device)
+    pair = (contender, baseline)
+    per_round = SETTLE_BUDGET_MS / (SETTLE_ROUNDS * len(pair))
+    reps = {name: max(1, min(50, int(per_round / max(timings[name].ms, 1e-3)))) for name in pair}
+    samples = {name: list(timings[name].samples) for name in pair}
+    hosts: dict = {}
+    for r in range(SETTLE_ROUNDS):
+        for name in pair if r % 2 else pair[::-1]:
+            samples[name].append(_elapsed_ms(closures[name], reps[name], stream, hosts))
+    if cost is not None:
+        cost["settle"] = round((time.perf_counter() - began) * 1e3, 2)
+    return {**timings, **{name: Timing.of(values) for name, values in samples.items()}}
 
 
 def winner(timings: dict[str, Timing], baseline: str = "torch") -> str:
     """The candidate that serves: the fastest, where it beats ``baseline`` (PyTorch's op) by more
-    than the spreads and :data:`MIN_GAIN`; else the baseline. Without a baseline timing, the
-    fastest."""
+    than :data:`MIN_GAIN`, and either by more than the two timings' spreads or, once
+    :func:`settle` timed the two in paired rounds, in three rounds of four (the pairs' lower
+    quartile of leads beyond :data:`MIN_GAIN`); else the baseline. Without a baseline timing,
+    the fastest."""
     if not timings:
         return baseline
-    best = min(timings, key=lambda name: timings[name].ms)
-    base = timings.get(baseline)
-    if base is None or best == baseline:
-        return best
-    margin = max(MIN_GAIN, timings[best].spread + base.spread)
-    return best if timings[best].ms * (1.0 + margin) < base.ms else baseline
+    best = _leader(timings, baseline)
+    if best is None:
+        return baseline if baseline in timings else min(timings, key=lambda name: timings[name].ms)
+    leads = _paired_leads(timings[best], timings[baseline])
+    if leads:
+        return best if statistics.quantiles(leads, n=4)[0] > MIN_GAIN else baseline
+    margin = max(MIN_GAIN, timings[best].spread + timings[baseline].spread)
+    return best if timings[best].ms * (1.0 + margin) < timings[baseline].ms else baseline

@@ -95,10 +95,11 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
         return min(known, key=prior.__getitem__) if known else baseline  # a stand-in, not kept
     errors: dict = {}
     cost: dict = {}
-    timings = measure(sig, input, weight, bias, names, eps, errors, cost)
+    timings = measure(sig, input, weight, bias, names, eps, errors, cost, baseline=baseline)
     choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
-              "spread": {n: round(t.spread, 4) for n, t in timings.items()}, "measured": time.time(),
+              "spread": {n: round(t.spread, 4) for n, t in timings.items()},
+              "rounds": {n: t.rounds for n, t in timings.items()}, "measured": time.time(),
               "errors": errors, "cost_ms": cost}
     kept = _plan_store.save_decision(_store_key(sig), device, deterministic, record)
     if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
@@ -118,12 +119,14 @@ def _keep(key: tuple, choice: str, why: dict) -> str:
 
 
 def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float = 1e-5,
-            errors: dict | None = None, cost: dict | None = None) -> dict:
+            errors: dict | None = None, cost: dict | None = None, *, baseline: str | None = None) -> dict:
     """``{candidate: Timing}`` of ``names`` on ``input`` (flattened to packed ``[rows, cols]``,
-    the parameters to ``[cols]``, an adaptive RMSNorm's modulation to ``[B, cols]``);
-    candidates that raised are named in ``errors``; ``cost`` gets the wall ms the measurement
-    took: ``"prepare"`` (building the candidates' plans and kernels), ``"first"`` (their first,
-    untimed runs) and ``"timing"`` (the runs that time them: what measuring itself costs)."""
+    the parameters to ``[cols]``, an adaptive RMSNorm's modulation to ``[B, cols]``), a lead
+    over ``baseline`` inside the spreads timed again in paired rounds
+    (:func:`cudnorm._candidates.settle`); candidates that raised are named in ``errors``;
+    ``cost`` gets the wall ms the measurement took: ``"prepare"`` (building the candidates'
+    plans and kernels), ``"first"`` (their first, untimed runs), ``"timing"`` (the runs that
+    time them: what measuring itself costs) and ``"settle"`` (the paired rounds, where run)."""
     x = _dispatch.cudnn_rows(input.detach().reshape(-1, sig.cols))
     shape = (-1, sig.cols) if sig.op in _candidates.MODULATED else (sig.cols,)  # per-sample: [B, N]
     w = None if weight is None else weight.detach().reshape(shape)
@@ -133,7 +136,10 @@ def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float
         began = time.perf_counter()
         closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
         cost["prepare"] = round((time.perf_counter() - began) * 1e3, 2)
-        return _candidates.time_closures(closures, device=x.device, errors=errors, cost=cost)
+        timings = _candidates.time_closures(closures, device=x.device, errors=errors, cost=cost)
+        if baseline is None:
+            return timings
+        return _candidates.settle(closures, timings, baseline, device=x.device, cost=cost)
 
 
 def decisions() -> list[dict]:
@@ -146,7 +152,8 @@ def decisions() -> list[dict]:
         (sig, device, deterministic), (choice, why) = key, known
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
                      "serves": choice, "source": why.get("source", ""), "ms": why.get("ms", {}),
-                     "spread": why.get("spread", {}), "prior_ms": why.get("prior_ms") or {},
+                     "spread": why.get("spread", {}), "rounds": why.get("rounds") or {},
+                     "prior_ms": why.get("prior_ms") or {},
                      "errors": why.get("errors") or {}, "cost_ms": why.get("cost_ms") or {}})
     return rows
 

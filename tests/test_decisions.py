@@ -42,6 +42,26 @@ def test_winner_needs_more_than_the_spread():
     assert _candidates.winner({}, "torch") == "torch"
 
 
+def test_a_lead_inside_the_spreads_is_decided_on_paired_rounds():
+    """One slow round of the leader widens its spread past a 12% lead: three rounds cannot
+    tell, nine paired rounds can (the lead holds in eight); a lead that holds in fewer than
+    three rounds of four stays PyTorch's, however far its median is ahead."""
+    torch_rounds = [0.183, 0.182, 0.184]
+    first = {"torch": Timing.of(torch_rounds), "kernel": Timing.of([0.162, 0.161, 0.183])}
+    assert _candidates.winner(first) == "torch", "12% lead, 13% + 1% spreads"
+    assert _candidates.unsettled(first) == "kernel"
+    settled = {"torch": Timing.of(torch_rounds + [0.183] * 6), "kernel": Timing.of([0.162, 0.161, 0.183] + [0.161] * 6)}
+    assert _candidates.unsettled(settled) is None
+    assert _candidates.winner(settled) == "kernel"
+    mixed = [0.162, 0.161, 0.183, 0.16, 0.185, 0.16, 0.186, 0.161, 0.184]  # ahead in five rounds of nine
+    assert _candidates.winner({"torch": Timing.of(torch_rounds + [0.183] * 6), "kernel": Timing.of(mixed)}) == "torch"
+    assert _candidates.unsettled({"torch": Timing.of(torch_rounds), "kernel": Timing.of([0.1, 0.1, 0.1])}) is None, \
+        "a lead beyond the spreads is decided at once"
+    assert _candidates.unsettled({"torch": Timing.of(torch_rounds), "kernel": Timing.of([0.18, 0.179, 0.181])}) \
+        is None, "a lead inside MIN_GAIN is PyTorch's at once"
+    assert _candidates.unsettled({"kernel": Timing.of([0.1, 0.2, 0.1])}) is None, "no baseline timed"
+
+
 class _FakeEvent:
     """A CUDA event on a CPU: ``elapsed_time`` reports the GPU ms the test's kernels would take."""
     gpu_ms = {}
@@ -86,6 +106,33 @@ def test_candidates_are_charged_gpu_plus_host_time(monkeypatch):
     big = {"torch": Timing(_candidates._elapsed_ms(closure(2.0, 0.010), 3, None, hosts), 0.0, 3),
            "cudnn": Timing(_candidates._elapsed_ms(closure(1.0, 0.030), 3, None, hosts), 0.0, 3)}
     assert _candidates.winner(big) == "cudnn", "a GPU saving larger than the host cost wins"
+
+
+def test_settle_times_the_leader_and_the_baseline_again(monkeypatch):
+    """:func:`settle` times only the unsettled leader and the baseline, in alternating order,
+    and the decision then follows the pairs; a clear decision is returned untouched."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    ms = {"torch": 0.183, "cudnn": 0.5, "kernel": 0.161}
+    closures = {name: (lambda: None) for name in ms}
+    names = {id(fn): name for name, fn in closures.items()}
+    order = []
+
+    def elapsed(fn, reps, stream, hosts):
+        order.append(names[id(fn)])
+        return ms[names[id(fn)]]
+
+    monkeypatch.setattr(_candidates, "_elapsed_ms", elapsed)
+    timings = {"torch": Timing.of([0.183, 0.182, 0.184]), "cudnn": Timing(0.5, 0.0, 1),
+               "kernel": Timing.of([0.162, 0.161, 0.183])}
+    cost = {}
+    settled = _candidates.settle(closures, timings, device=None, cost=cost)
+    assert settled["cudnn"] is timings["cudnn"] and "cudnn" not in order
+    assert settled["kernel"].rounds == settled["torch"].rounds == 3 + _candidates.SETTLE_ROUNDS
+    assert settled["kernel"].samples[:3] == timings["kernel"].samples
+    assert order[:4] == ["torch", "kernel", "kernel", "torch"], "the pair's order alternates"
+    assert "settle" in cost and _candidates.winner(settled) == "kernel"
+    clear = {"torch": Timing.of([0.183, 0.182, 0.184]), "kernel": Timing.of([0.1, 0.1, 0.1])}
+    assert _candidates.settle(closures, clear) is clear
 
 
 def test_modulated_layer_norm_candidates():
@@ -239,7 +286,7 @@ def _input(rows=4096, cols=88):
 def test_measures_once_then_stores(store, monkeypatch):
     calls = []
 
-    def fake_measure(sig, input, weight, bias, names, eps=1e-5, errors=None, cost=None):
+    def fake_measure(sig, input, weight, bias, names, eps=1e-5, errors=None, cost=None, baseline=None):
         calls.append(sorted(names))
         return {"torch": Timing(1.0, 0.01, 3), "cudnn": Timing(9.0, 0.0, 1), "kernel": Timing(0.5, 0.01, 3)}
 
@@ -261,7 +308,8 @@ def test_measures_once_then_stores(store, monkeypatch):
 
 def test_prior_skips_known_cliffs(store, monkeypatch):
     measured = []
-    monkeypatch.setattr(_decisions, "measure", lambda sig, x, w, b, names, eps=1e-5, errors=None, cost=None: measured.append(names) or
+    monkeypatch.setattr(_decisions, "measure", lambda sig, x, w, b, names, eps=1e-5, errors=None, cost=None, baseline=None:
+                        measured.append(names) or
                         {n: Timing(1.0 if n == "torch" else 0.5, 0.0, 3) for n in names})
     monkeypatch.setattr(_decisions, "prior_times", lambda sig, device: {"torch": 1.0, "cudnn": 12.0})
     monkeypatch.setitem(_candidates.CANDIDATES, "kernel", _candidates.Candidate(

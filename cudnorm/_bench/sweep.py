@@ -381,11 +381,12 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
                     decision = _decision(cell, sets)
                     row["serves"] = decision.get("serves", "")
                     # how it was decided, for a cell whose decision the sweep's own timings contradict
-                    row["decision"] = " ".join(
-                        [decision.get("source", "")] + [f"{n}={ms:.4g}ms(+-{decision.get('spread', {}).get(n, 0):.0%})"
-                                                        for n, ms in sorted(decision.get("ms", {}).items())])
+                    row["decision"] = " ".join([decision.get("source", "")] + [
+                        f"{n}={ms:.4g}ms(+-{decision.get('spread', {}).get(n, 0):.0%})" + _rounds(decision, n)
+                        for n, ms in sorted(decision.get("ms", {}).items())])
                     cost = decision.get("cost_ms", {})
-                    row["measure_ms"] = cost.get("timing", "")
+                    # the timed runs, with the paired rounds that settle a close lead
+                    row["measure_ms"] = cost["timing"] + cost.get("settle", 0.0) if "timing" in cost else ""
                     if cost:
                         row["decision"] += f" prepare={cost.get('prepare', 0):g}ms first={cost.get('first', 0):g}ms"
         except Unsupported as exc:
@@ -406,6 +407,13 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
         if torch_ms and row.get("gpu_ms"):
             row["ratio_vs_torch"] = torch_ms / row["gpu_ms"]
     return rows
+
+
+def _rounds(decision: dict, name: str) -> str:
+    """``"x9"`` where a candidate was timed in more than the usual rounds (a lead settled in
+    paired rounds, :func:`cudnorm._candidates.settle`), else ``""``."""
+    rounds = decision.get("rounds", {}).get(name, 0)
+    return f"x{rounds}" if rounds > _candidates.ROUNDS else ""
 
 
 def cell_signature(cell: Cell, sets: Sets) -> _candidates.Signature:
