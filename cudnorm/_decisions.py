@@ -134,7 +134,8 @@ def measure(sig: Signature, input: torch.Tensor, weight, bias, names, eps: float
     cost = {} if cost is None else cost
     with torch.no_grad():
         began = time.perf_counter()
-        closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps) for n in names}
+        dy = _candidates.gradient(x) if sig.training else None  # one incoming gradient for every candidate
+        closures = {n: _candidates.CANDIDATES[n].prepare(sig, x, w, b, eps, dy) for n in names}
         cost["prepare"] = round((time.perf_counter() - began) * 1e3, 2)
         timings = _candidates.time_closures(closures, device=x.device, errors=errors, cost=cost)
         if baseline is None:

@@ -162,15 +162,15 @@ def test_candidate_closures_compute_the_call_on_cpu():
 
 
 def _check_closures(name, op="ada_rms_norm"):
-    """The candidate's closures compute the call's forward and its gradients (``dy = x``); op
-    ``modulated_rms_norm`` is a fused block's (fp32 here, where its formula rounds as the fused
-    op's does)."""
-    x = torch.randn(3 * 8, 40)
+    """The candidate's closures compute the call's forward and its gradients (for a given
+    ``dy``); op ``modulated_rms_norm`` is a fused block's (fp32 here, where its formula rounds as
+    the fused op's does)."""
+    x, dy = torch.randn(3 * 8, 40), torch.randn(3 * 8, 40)
     scale, shift = torch.randn(3, 40), torch.randn(3, 40)
     sig = _candidates.signature(op, True, x, scale, shift, 40)
     x3 = x.view(3, 8, 40)
-    want = ref.grads(lambda x, sc, sh: _reference(x, sc, sh, True), (x3, scale, shift), x3)
-    grads = _candidates.CANDIDATES[name].prepare(sig, x, scale, shift, EPS)()
+    want = ref.grads(lambda x, sc, sh: _reference(x, sc, sh, True), (x3, scale, shift), dy.view(x3.shape))
+    grads = _candidates.CANDIDATES[name].prepare(sig, x, scale, shift, EPS, dy)()
     for got, expected in zip(grads, want[1]):
         assert ref.rel_error(got.reshape(expected.shape), expected) < 1e-5, name
     y = _candidates.CANDIDATES[name].prepare(sig._replace(training=False), x, scale, shift, EPS)()

@@ -135,6 +135,71 @@ def test_settle_times_the_leader_and_the_baseline_again(monkeypatch):
     assert _candidates.settle(closures, clear) is clear
 
 
+class _SharedBackwardArgs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every backward op (``*backward*``/``*bwd*``) that receives two tensors sharing memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.backwards, self.shared = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "backward" in name or "bwd" in name:
+            self.backwards.append(name)
+            ptrs = [a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor) and a.numel()]
+            if len(set(ptrs)) < len(ptrs):
+                self.shared.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _storages(tensors) -> list[int]:
+    return [t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", _candidates.ADA_LAYER_NORM, _candidates.AFFINE_MODULATED,
+                                "ada_rms_norm", _candidates.MODULATED_RMS, _candidates.GATED,
+                                _candidates.TOKEN_LAYER_NORM])
+def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
+    """A candidate's training closure runs its backward on a gradient of its own, never on its
+    input: with the input as its gradient a backward reads one tensor twice and L2 serves half
+    of it, which made PyTorch's backward read 20-25% faster than in a step (H200,
+    docs/performance.md, Decisions). No backward op gets two tensors sharing memory, and the
+    gradients handed to autograd share none with its leaves or each other."""
+    per_sample = op in _candidates.MODULATED and op not in _candidates.TOKEN
+    sig = Signature(op, True, torch.float32, None if op == "rms_norm" else torch.float32,
+                    torch.float32 if op == "layer_norm" or op in _candidates.MODULATED else None, 64, 6)
+    x = torch.randn(2 * 16, 64)
+    shape = (2, 64) if per_sample else (2 * 16, 64) if op in _candidates.TOKEN else (64,)
+    w = torch.randn(shape) if sig.weight else None
+    b = torch.randn(shape) if sig.bias else None
+    handed = []
+    grad = torch.autograd.grad
+
+    def recording_grad(outputs, inputs, grad_outputs=None, **kwargs):
+        handed.append((_storages(torch.utils._pytree.tree_leaves(inputs)),
+                       _storages(torch.utils._pytree.tree_leaves(grad_outputs))))
+        return grad(outputs, inputs, grad_outputs, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording_grad)
+    ran = 0
+    for name in _candidates.candidates_for(sig):
+        handed.clear()
+        try:
+            run = _candidates.CANDIDATES[name].prepare(sig, x, w, b, 1e-5)
+            with _SharedBackwardArgs() as seen:
+                run()
+        except Exception:  # noqa: BLE001 - a candidate needing a GPU (cuDNN's graphs, the kernel)
+            continue
+        ran += 1
+        assert seen.backwards or handed, (name, "ran no backward")
+        assert not seen.shared, (name, seen.shared)
+        for inputs, grads in handed:
+            assert len(set(grads)) == len(grads), (name, "one tensor is the gradient of two outputs")
+            assert not set(grads) & set(inputs), (name, "a gradient shares an autograd leaf's memory")
+    assert ran, "PyTorch's candidate at least runs on a CPU"
+
+
 def test_modulated_layer_norm_candidates():
     """diffusers' affine modulated LayerNorm: PyTorch's formula always competes, the fold plus
     one adaptive LayerNorm only on the native path, cudnorm's kernel never; the formula's

@@ -112,14 +112,14 @@ def test_dispatcher_candidates_are_torch_and_kernel(op, monkeypatch):
 
 
 def _check_closures(name):
-    """The candidate's closures compute the call's forward and gradients (``dy = x``) for both ops."""
+    """The candidate's closures compute the call's forward and gradients (for a given ``dy``) for both ops."""
     for op in _candidates.TOKEN:
         rms = op == _candidates.TOKEN_RMS_NORM
-        x, scale, shift = (torch.randn(24, 40) for _ in range(3))
+        x, scale, shift, dy = (torch.randn(24, 40) for _ in range(4))
         sig = _candidates.signature(op, True, x, scale, shift, 40)
         want = ref.grads(lambda x, sc, sh: _token_ada.formula(x, sc, sh, EPS, rms, True),
-                         tuple(t.double() for t in (x, scale, shift)), x.double())
-        grads = _candidates.CANDIDATES[name].prepare(sig, x, scale, shift, EPS)()
+                         tuple(t.double() for t in (x, scale, shift)), dy.double())
+        grads = _candidates.CANDIDATES[name].prepare(sig, x, scale, shift, EPS, dy)()
         for got, expected in zip(grads, want[1]):
             assert ref.rel_error(got, expected) < 1e-5, (name, op)
         y = _candidates.CANDIDATES[name].prepare(sig._replace(training=False), x, scale, shift, EPS)()

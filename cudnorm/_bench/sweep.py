@@ -430,9 +430,10 @@ def _time_prior(cell: Cell, sets: Sets, prior: dict) -> None:
     sig = cell_signature(cell, sets)
     with torch.no_grad():
         closures = {}
+        dy = _candidates.gradient(x) if sig.training else None
         for name in _candidates.candidates_for(sig):
             with contextlib.suppress(Exception):  # a candidate that cannot prepare is no candidate
-                closures[name] = _candidates.CANDIDATES[name].prepare(sig, x, weight, bias, EPS)
+                closures[name] = _candidates.CANDIDATES[name].prepare(sig, x, weight, bias, EPS, dy)
         timings = _candidates.time_closures(closures, budget_ms=PRIOR_BUDGET_MS, device=x.device)
     if timings:
         prior[sig.key()] = {name: round(t.ms, 5) for name, t in timings.items()}
