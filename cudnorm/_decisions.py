@@ -99,7 +99,9 @@ def decide(key: tuple, input: torch.Tensor, weight, bias, *, eps: float = 1e-5) 
     choice = _candidates.winner(timings, baseline if baseline in timings else next(iter(timings), baseline))
     record = {"choice": choice, "ms": {n: round(t.ms, 5) for n, t in timings.items()},
               "spread": {n: round(t.spread, 4) for n, t in timings.items()},
-              "rounds": {n: t.rounds for n, t in timings.items()}, "measured": time.time(),
+              "rounds": {n: t.rounds for n, t in timings.items()},
+              "gpu_ms": {n: round(t.gpu_ms, 5) for n, t in timings.items() if t.gpu_ms is not None},
+              "measured": time.time(),
               "errors": errors, "cost_ms": cost}
     kept = _plan_store.save_decision(_store_key(sig), device, deterministic, record)
     if kept.get("choice") in names and kept.get("choice") != choice:  # another process decided first
@@ -154,6 +156,7 @@ def decisions() -> list[dict]:
         rows.append({"signature": sig.key(), "device": device, "deterministic": deterministic,
                      "serves": choice, "source": why.get("source", ""), "ms": why.get("ms", {}),
                      "spread": why.get("spread", {}), "rounds": why.get("rounds") or {},
+                     "gpu_ms": why.get("gpu_ms") or {},
                      "prior_ms": why.get("prior_ms") or {},
                      "errors": why.get("errors") or {}, "cost_ms": why.get("cost_ms") or {}})
     return rows

@@ -4,6 +4,7 @@ nothing may be timed. Timing itself needs a GPU (tests/test_decisions_gpu.py).""
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -62,6 +63,23 @@ def test_a_lead_inside_the_spreads_is_decided_on_paired_rounds():
     assert _candidates.unsettled({"kernel": Timing.of([0.1, 0.2, 0.1])}) is None, "no baseline timed"
 
 
+def test_a_candidate_slower_on_the_gpu_does_not_serve():
+    """Charged GPU plus host time, a candidate saving host time could serve with more GPU time
+    than PyTorch's op; it may not beyond MIN_GAIN (LayerNorm inference at 5568 on an H200: the
+    kernel 0.063 against 0.059 ms of GPU, 0.012 against 0.022 ms of host)."""
+    torch_t = Timing.of([0.0812] * 3, [0.0593] * 3)
+    assert _candidates.winner({"torch": torch_t, "kernel": Timing.of([0.0744] * 3, [0.0630] * 3)}) == "torch"
+    assert _candidates.winner({"torch": torch_t, "kernel": Timing.of([0.0744] * 3, [0.0600] * 3)}) == "kernel", \
+        "1% more GPU time, within MIN_GAIN"
+    assert _candidates.winner({"torch": torch_t, "cudnn": Timing.of([0.070] * 3, [0.0650] * 3),
+                               "kernel": Timing.of([0.074] * 3, [0.0580] * 3)}) == "kernel", \
+        "the fastest of those not slower on the GPU"
+    assert _candidates.unsettled({"torch": Timing.of([0.0812, 0.08, 0.09], [0.0593] * 3),
+                                  "kernel": Timing.of([0.0744, 0.074, 0.08], [0.0630] * 3)}) is None
+    assert _candidates.winner({"torch": Timing(1.0, 0.0, 3), "kernel": Timing(0.5, 0.0, 3)}) == "kernel", \
+        "without GPU times kept, the sum decides"
+
+
 class _FakeEvent:
     """A CUDA event on a CPU: ``elapsed_time`` reports the GPU ms the test's kernels would take."""
     gpu_ms = {}
@@ -79,32 +97,33 @@ class _FakeEvent:
         return (end.calls - self.calls) * _FakeEvent.gpu_ms["per_call"]
 
 
+def _fake_closure(gpu_ms: float, host_ms: float):
+    """A call taking ``gpu_ms`` on :class:`_FakeEvent`'s GPU and ``host_ms`` of the host's time."""
+    def run():
+        _FakeEvent.gpu_ms.update(per_call=gpu_ms, calls=_FakeEvent.gpu_ms["calls"] + 1)
+        end = time.perf_counter() + host_ms / 1e3
+        while time.perf_counter() < end:
+            pass
+    return run
+
+
 def test_candidates_are_charged_gpu_plus_host_time(monkeypatch):
     """A candidate that saves GPU time but costs more host time per call than it saves (cuDNN's
     execute against PyTorch's launch, in a host-bound step) does not replace PyTorch's op."""
-    import time as clock
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
 
-    def closure(gpu_ms, host_ms):
-        def run():
-            _FakeEvent.gpu_ms.update(per_call=gpu_ms, calls=_FakeEvent.gpu_ms["calls"] + 1)
-            end = clock.perf_counter() + host_ms / 1e3
-            while clock.perf_counter() < end:
-                pass
-        return run
-
     _FakeEvent.gpu_ms.update(calls=0, per_call=0.0)
     hosts = {}
-    fast_gpu_slow_host = closure(0.030, 0.400)  # saves 20 us of GPU, costs 390 us more host
+    fast_gpu_slow_host = _fake_closure(0.030, 0.400)  # saves 20 us of GPU, costs 390 us more host
     ms = _candidates._elapsed_ms(fast_gpu_slow_host, 3, None, hosts)
     assert ms == pytest.approx(0.030 + hosts[fast_gpu_slow_host], rel=1e-6)
     assert hosts[fast_gpu_slow_host] >= 0.4
-    timings = {"torch": Timing(_candidates._elapsed_ms(closure(0.050, 0.010), 3, None, hosts), 0.0, 3),
+    timings = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(0.050, 0.010), 3, None, hosts), 0.0, 3),
                "cudnn": Timing(ms, 0.0, 3)}
     assert _candidates.winner(timings) == "torch"
-    big = {"torch": Timing(_candidates._elapsed_ms(closure(2.0, 0.010), 3, None, hosts), 0.0, 3),
-           "cudnn": Timing(_candidates._elapsed_ms(closure(1.0, 0.030), 3, None, hosts), 0.0, 3)}
+    big = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(2.0, 0.010), 3, None, hosts), 0.0, 3),
+           "cudnn": Timing(_candidates._elapsed_ms(_fake_closure(1.0, 0.030), 3, None, hosts), 0.0, 3)}
     assert _candidates.winner(big) == "cudnn", "a GPU saving larger than the host cost wins"
 
 
@@ -119,6 +138,7 @@ def test_settle_times_the_leader_and_the_baseline_again(monkeypatch):
 
     def elapsed(fn, reps, stream, hosts):
         order.append(names[id(fn)])
+        hosts[fn] = 0.0  # as _elapsed_ms keeps each closure's host ms
         return ms[names[id(fn)]]
 
     monkeypatch.setattr(_candidates, "_elapsed_ms", elapsed)
@@ -198,6 +218,22 @@ def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
             assert len(set(grads)) == len(grads), (name, "one tensor is the gradient of two outputs")
             assert not set(grads) & set(inputs), (name, "a gradient shares an autograd leaf's memory")
     assert ran, "PyTorch's candidate at least runs on a CPU"
+
+
+def test_time_closures_keeps_each_rounds_gpu_time(monkeypatch):
+    """Each round's GPU time is kept beside its GPU-plus-host time (what :func:`_eligible` reads)."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    stream = type("Stream", (), {"synchronize": lambda self: None})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    _FakeEvent.gpu_ms.update(calls=0, per_call=0.0)
+    closures = {"torch": _fake_closure(0.06, 0.02), "kernel": _fake_closure(0.07, 0.01)}
+    timings = _candidates.time_closures(closures, budget_ms=3.0)
+    for name, gpu in (("torch", 0.06), ("kernel", 0.07)):
+        t = timings[name]
+        assert len(t.gpu_samples) == t.rounds == _candidates.ROUNDS
+        assert t.gpu_ms == pytest.approx(gpu, rel=1e-6) and t.ms > gpu
+    assert _candidates.winner(timings) == "torch", "the kernel's 17% more GPU time is not bought by host time"
 
 
 def test_modulated_layer_norm_candidates():

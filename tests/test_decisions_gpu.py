@@ -93,6 +93,8 @@ def test_first_call_measures_and_later_calls_reuse(tmp_path):
         # "settle": the paired rounds, where the lead was inside the spreads
         assert {"prepare", "first", "timing"} <= set(row["cost_ms"]) <= {"prepare", "first", "timing", "settle"}, row
         assert row["cost_ms"]["timing"] > 0 and sum(row["rounds"].values()) >= len(row["ms"]), row
+        # each candidate timed in rounds keeps its GPU time, at most its GPU plus host time
+        assert all(0 < row["gpu_ms"][n] <= row["ms"][n] for n in row["gpu_ms"]) and row["gpu_ms"], row
     before = cudnorm.cache_info().caches.get("native", {})
     for _ in range(3):
         cudnorm.layer_norm(x, (96,), weight, bias).sum().backward()
