@@ -532,7 +532,7 @@ MIN_GAIN = 0.03
 # rounds' pairs (:func:`winner`). One slow round (a host thread preempted, a clock change) no
 # longer hides a 10-40% lead (docs/performance.md, Decisions).
 SETTLE_ROUNDS = 6
-SETTLE_BUDGET_MS = 15.0
+SETTLE_BUDGET_MS = 10.0
 
 
 def _eligible(timings: dict[str, Timing], baseline: str) -> dict[str, Timing]:
