@@ -154,6 +154,23 @@ def test_measure_costs_summarise_the_dispatchers_first_calls():
     assert sweep_report.measure_costs([_row("cudnorm", 1.0)]) == [["measured signatures"]]
 
 
+def test_gain_left_counts_cells_where_a_faster_choice_did_not_serve():
+    """A cell leaves a gain where cuDNN, PyTorch's op or the kernel ran faster on the GPU than
+    what served by more than 5%; peers (Liger, the copy) are not the dispatcher's choices."""
+    rows = []
+    for cols, served, cudnn, kernel in ((1024, 1.0, 0.8, 1.1), (2048, 1.0, 0.97, 1.2), (4096, 1.0, 1.5, 1.0)):
+        rows += [_row("torch", 1.0, cols=cols, ratio_vs_torch=1.0, host_us=10.0),
+                 _row("cudnorm", served, cols=cols, ratio_vs_torch=1.0 / served, serves="torch", host_us=11.0),
+                 _row("cudnn", cudnn, cols=cols, host_us=20.0), _row("kernel", kernel, cols=cols),
+                 _row("copy", 0.1, cols=cols), _row("liger", 0.5, cols=cols)]
+    [header, line] = sweep_report.gain_left(rows)
+    assert header[2] == "faster choice by > 5%"
+    assert line == ["layer_norm train bf16/w=bf16/b=True", "3", "1", "1.25x", "1.25x"], "only 1024: 2048's 3% is noise"
+    [_, worst] = sweep_report.left_table(rows)
+    assert worst == ["layer_norm train bf16/w=bf16/b=True", "1024", "32768", "torch", "1.0000", "11.0", "cudnn",
+                     "0.8000", "20.0", "1.25x"]
+
+
 def test_heatmap_rows_are_the_element_counts_the_cells_were_sized_from():
     rows = [_row("cudnorm", 1.0, cols=c, elements=1 << e, ratio_vs_torch=r)
             for c, e, r in ((192, 25, 2.0), (256, 25, 3.0), (192, 26, 4.0), (1152, 21, 0.5))]

@@ -122,6 +122,65 @@ def measure_costs(rows: list[dict]) -> list[list[str]]:
              f"{costs[-1]:.1f}"]]
 
 
+# what the dispatcher chooses among (the sweep's other providers are peers or references)
+CHOICES = ("torch", "cudnn", "kernel")
+# a cell "leaves" a gain where its fastest choice on the GPU beat what served by more than this:
+# above the dispatcher's own MIN_GAIN (3%), so a lead it rightly takes for noise is not counted
+LEFT = 0.05
+
+
+def _left_cells(rows: list[dict]) -> list[tuple[float, dict, dict]]:
+    """``(best / served GPU time, served row, best row)`` of every cell where a choice of the
+    dispatcher's (:data:`CHOICES`) ran faster on the GPU than what served it by more than
+    :data:`LEFT`, most left first."""
+    by_cell = defaultdict(dict)
+    for r in rows:
+        if r.get("gpu_ms"):
+            by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
+    out = []
+    for got in by_cell.values():
+        served = got.get("cudnorm")
+        timed = [got[p] for p in CHOICES if p in got]
+        if served is None or not timed:
+            continue
+        best = min(timed, key=lambda r: r["gpu_ms"])
+        left = served["gpu_ms"] / best["gpu_ms"]
+        if left > 1.0 + LEFT:
+            out.append((left, served, best))
+    return sorted(out, key=lambda t: -t[0])
+
+
+def gain_left(rows: list[dict]) -> list[list[str]]:
+    """Per op/direction: the cells where the dispatcher served something slower on the GPU than
+    its fastest choice by more than :data:`LEFT`, and by how much (median and worst). The sweep's
+    ratios are GPU time, the dispatcher's charge GPU plus host time: a cell here is a gain a step
+    bound by its GPU does not get (docs/performance.md, width sweep)."""
+    cells = defaultdict(int)
+    for r in _ratios(rows):
+        cells[_case(r)] += 1
+    groups = defaultdict(list)
+    for left, served, _ in _left_cells(rows):
+        groups[_case(served)].append(left)
+    lines = [["cells", "count", f"faster choice by > {LEFT:.0%}", "median", "worst"]]
+    for case, count in sorted(cells.items()):
+        got = groups.get(case, [])
+        lines.append([case, str(count), str(len(got)), f"{statistics.median(got):.2f}x" if got else "-",
+                      f"{max(got):.2f}x" if got else "-"])
+    return lines
+
+
+def left_table(rows: list[dict], count: int = 10) -> list[list[str]]:
+    """The ``count`` cells of :func:`gain_left` with the most left: what served and the faster
+    choice, each with its GPU ms and host us per call (what the dispatcher weighed)."""
+    lines = [["cell", "N", "rows", "serves", "GPU ms", "host us", "faster", "GPU ms", "host us", "left"]]
+    for left, served, best in _left_cells(rows)[:count]:
+        lines.append([_case(served), str(served["cols"]), str(served["rows"]), served.get("serves") or "",
+                      f"{served['gpu_ms']:.4f}", f"{served['host_us']:.1f}" if served.get("host_us") else "-",
+                      best["provider"], f"{best['gpu_ms']:.4f}",
+                      f"{best['host_us']:.1f}" if best.get("host_us") else "-", f"{left:.2f}x"])
+    return lines
+
+
 # the heatmaps' colour scale spans 1/3x to 3x (beyond: the end colours), so that a cell a few
 # percent either side of PyTorch still shows, where a scale up to the narrow cells' 40x hid it
 HEAT_REACH = 3.0
@@ -191,6 +250,8 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
     for title, lines in (("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows)),
                          ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows)),
                          ("Worst cell of each provider", worst_per_provider(rows)),
+                         ("Gain left: a faster choice on the GPU than what served", gain_left(rows)),
+                         ("The cells with the most gain left", left_table(rows)),
                          ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows)),
                          ("First-call measurement (the dispatcher timing a signature's candidates)",
                           measure_costs(rows))):

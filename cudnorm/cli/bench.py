@@ -221,6 +221,8 @@ def _redraw_sweep(rows: list[dict], path: Path) -> int:
 def _print_sweep(rows: list[dict]) -> None:
     print("\n" + report.text_table(sweep_report.worst_per_provider(rows), right=0))
     print("\n" + report.text_table(sweep_report.medians(rows), right=0))
+    print("\nGain left (a faster choice on the GPU than what served)\n"
+          + report.text_table(sweep_report.gain_left(rows), right=0))
     print(f"\n{SWEEP_LEGEND}\nWorst 20 cells\n" + report.text_table(sweep_report.worst_table(rows), right=0))
 
 
