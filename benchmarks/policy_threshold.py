@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from cudnorm import _native, _policy
-from cudnorm._bench import model_zoo, models, report
+from cudnorm._bench import model_cases, models, report
 
 
 def measure(case_ids: list[str], thresholds: list[int], rounds: int, device: str, quick: bool) -> list[dict]:
     """``[{"case", "variant", "threshold", "step_ms", "vs_torch"}]``: median step ms per variant."""
-    cases = {c.id: c for c in model_zoo.all_cases(quick=quick)}
+    cases = {c.id: c for c in model_cases.all_cases(quick=quick)}
     unknown = [c for c in case_ids if c not in cases]
     if unknown:
         raise SystemExit(f"policy_threshold.py: unknown --cases {unknown}; known: {sorted(cases)}")

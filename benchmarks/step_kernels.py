@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cudnorm._bench import model_zoo, models, report
+from cudnorm._bench import model_cases, models, report
 
 PROVIDERS = ("torch", "cudnorm")
 PROFILED_STEPS = 3
@@ -50,7 +50,7 @@ def kernel_ms(workload: models.Workload, device: str) -> tuple[dict[str, float],
 
 def measure(case_id: str, rounds: int, device: str, quick: bool) -> tuple[dict, list[dict]]:
     """``({provider: step ms}, rows)``: one row per kernel name, both providers' ms per step."""
-    cases = {c.id: c for c in model_zoo.all_cases(quick=quick)}
+    cases = {c.id: c for c in model_cases.all_cases(quick=quick)}
     if case_id not in cases:
         raise SystemExit(f"step_kernels.py: unknown case {case_id!r}; known: {sorted(cases)}")
     case = cases[case_id]

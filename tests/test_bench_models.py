@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cudnorm import _settings, cli
-from cudnorm._bench import model_zoo, models, real_models
+from cudnorm._bench import model_cases, model_norms, model_zoo, models, real_models
 
 # cudnorm-python runs under cudnorm.config(native="off"), an option of the native launch path
 needs_native_option = pytest.mark.skipif("native" not in _settings.OPTIONS,
@@ -35,8 +35,8 @@ def test_quick_run_writes_every_case(tmp_path, capsys):
     # fp32 on the CPU, bf16 models on a GPU and in train-autocast everywhere (cudnorm's own
     # path rounds a bf16 result once where PyTorch's formula rounds after each op)
     bounds = {True: 5e-2, False: 1e-3 if device == "cpu" else 5e-2}
-    every = model_zoo.all_cases(quick=True) + real_models.cases(quick=True)
-    expected = {c.id for c in model_zoo.select(every, None, device, quick=True)}
+    every = model_cases.all_cases(quick=True) + real_models.cases(quick=True)
+    expected = {c.id for c in model_cases.select(every, None, device, quick=True)}
     assert {r["case"] for r in rows} == expected
     assert not any(r["mode"] == "train-compile" for r in rows)  # only when asked for, in quick mode
     for case in expected:
@@ -67,8 +67,8 @@ def test_filter_selects_cases(tmp_path):
     assert rows and all(r["model"] == "dit" for r in rows)
     assert {r["mode"] for r in rows} == {"train", "infer", "train-autocast"}
     assert "--models dit-64" in (tmp_path / "models.md").read_text()
-    every = model_zoo.all_cases(quick=True) + real_models.cases(quick=True)
-    assert {c.model for c in model_zoo.select(every, "dit", "cpu", quick=True)} == {"dit", "diffusers-dit-xl-2"}
+    every = model_cases.all_cases(quick=True) + real_models.cases(quick=True)
+    assert {c.model for c in model_cases.select(every, "dit", "cpu", quick=True)} == {"dit", "diffusers-dit-xl-2"}
 
 
 def test_resume_keeps_finished_cases_and_names_the_one_the_process_died_in(tmp_path, capsys):
@@ -149,28 +149,28 @@ def test_cudnorm_python_provider_runs(tmp_path):
 
 
 def test_select_and_unknown_filter():
-    cases = model_zoo.all_cases(quick=False)
-    ids = {c.id for c in model_zoo.select(cases, "llama-4096:decode,gpt2", "cuda", quick=False)}
+    cases = model_cases.all_cases(quick=False)
+    ids = {c.id for c in model_cases.select(cases, "llama-4096:decode,gpt2", "cuda", quick=False)}
     assert ids == {"llama-4096:decode-b1", "llama-4096:decode-b32", "gpt2-1024-b8-s1024:train",
                    "gpt2-1024-b8-s1024:train-compile"}
-    assert "dit-1152-b8-s1024:train-compile" in {c.id for c in model_zoo.select(cases, None, "cuda", quick=False)}
-    on_cpu = model_zoo.select(cases, "dit-1152-b8", "cpu", quick=False)
+    assert "dit-1152-b8-s1024:train-compile" in {c.id for c in model_cases.select(cases, None, "cuda", quick=False)}
+    on_cpu = model_cases.select(cases, "dit-1152-b8", "cpu", quick=False)
     assert on_cpu and not any(c.compiled for c in on_cpu)  # compile only when the filter names it
-    assert {c.mode for c in model_zoo.select(cases, "dit-1152-b8-s1024:train-compile", "cpu", quick=False)} == {
+    assert {c.mode for c in model_cases.select(cases, "dit-1152-b8-s1024:train-compile", "cpu", quick=False)} == {
         "train-compile"}
-    exact = model_zoo.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
+    exact = model_cases.select(cases, "dit-1152-b8-s256:train,gpt2-1024-b8-s1024:train-compile", "cuda", quick=False)
     assert [c.id for c in exact] == ["dit-1152-b8-s256:train", "gpt2-1024-b8-s1024:train-compile"]
     # the cases of issue 32's table of model steps
     table = "sd3,flux,dit-1152-b8,dit-1152-b32-s1024:train,llama-4096:decode-b1"
-    assert {c.id for c in model_zoo.select(cases, table, "cuda", quick=False)} == {
+    assert {c.id for c in model_cases.select(cases, table, "cuda", quick=False)} == {
         *(f"{name}:{mode}" for name in ("sd3-1536-b2-s4096-t154", "flux-3072-b1-s4608")
           for mode in ("train", "train-autocast", "infer")),
         *(f"dit-1152-b8-s{s}:{mode}" for s in (256, 1024) for mode in ("train", "train-compile", "infer",
                                                                          "train-autocast")),
-        *(f"dit-1152-b8-s256:{mode}" for mode in model_zoo.EXTRA_COMPILE_MODES),
+        *(f"dit-1152-b8-s256:{mode}" for mode in model_cases.EXTRA_COMPILE_MODES),
         "dit-1152-b32-s1024:train", "llama-4096:decode-b1"}
     # torch.compile's modes: the default, and the two named ones on a host-bound and a GPU-bound step
-    modes = {c.id.partition(":")[2]: c.compile_mode for c in model_zoo.select(cases, "dit-1152-b32-s1024", "cuda", False)}
+    modes = {c.id.partition(":")[2]: c.compile_mode for c in model_cases.select(cases, "dit-1152-b32-s1024", "cuda", False)}
     assert modes == {"train": None, "infer": None, "train-compile": None,
                      "train-compile-max-autotune": "max-autotune", "train-compile-reduce-overhead": "reduce-overhead"}
     sd3 = next(c for c in cases if c.model == "sd3")
@@ -244,13 +244,13 @@ def test_llama_and_gpt_providers_share_weights():
         assert weights and not torch.equal(weights[0], torch.ones_like(weights[0]))  # randomised
 
 
-def _tiny(model: str, mode: str) -> model_zoo.Case:
-    return next(c for c in model_zoo.all_cases(quick=True) if c.model == model and c.mode == mode)
+def _tiny(model: str, mode: str) -> model_cases.Case:
+    return next(c for c in model_cases.all_cases(quick=True) if c.model == model and c.mode == mode)
 
 
 def _run(case, provider, dtype=torch.float32):
     """``(model, output, {parameter name: grad})`` of one seeded step of ``case``."""
-    with model_zoo.provider_settings(provider):
+    with model_norms.provider_settings(provider):
         w = models.build(case, provider, "cpu", dtype)
         out = w.step(torch.Generator().manual_seed(1)).detach()
     return w.model, out, {n: p.grad for n, p in w.model.named_parameters()}
@@ -286,7 +286,7 @@ def test_autocast_mode_keeps_fp32_master_weights(model, provider):
     the norms see bf16 activations under autocast, and the output is as close to the fp64
     model's as PyTorch's own norms get (at most 2x torch's error)."""
     case = _tiny(model, "train-autocast")
-    with model_zoo.provider_settings(provider):
+    with model_norms.provider_settings(provider):
         w = models.build(case, provider, "cpu", torch.float32)
     assert {p.dtype for p in w.model.parameters()} == {torch.float32}
     seen = set()  # (norm, autocast on, activation dtype, weight dtype) of every norm call
@@ -309,7 +309,7 @@ def test_autocast_mode_keeps_fp32_master_weights(model, provider):
     gen = torch.Generator().manual_seed(1)
     inputs = w.inputs(gen)
     assert {x.dtype for x in inputs} == {torch.bfloat16}
-    with model_zoo.provider_settings(provider):
+    with model_norms.provider_settings(provider):
         out = w.forward(*inputs)
     out.float().square().mean().backward()
     assert seen == {("ada", True, torch.bfloat16, None)} | (
@@ -330,7 +330,7 @@ def test_autocast_mode_keeps_fp32_master_weights(model, provider):
 
 
 def _row(call, case, mode, provider, speedup):
-    return {**models.blank_row(model_zoo.Case("dit", case, mode, 2, 8, 64, 4, 1), provider), "call": call,
+    return {**models.blank_row(model_cases.Case("dit", case, mode, 2, 8, 64, 4, 1), provider), "call": call,
             "case": f"{case}:{mode}", "speedup": speedup, "step_ms": 1.0, "host_ms": 1.0, "host_ratio": 1.0}
 
 

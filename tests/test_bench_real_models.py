@@ -13,7 +13,7 @@ import torch
 
 import cudnorm
 from cudnorm import cli
-from cudnorm._bench import model_zoo, models, models_report, real_models
+from cudnorm._bench import model_cases, models, models_report, real_models
 from cudnorm._bench.real_models import limit
 
 pytest.importorskip("diffusers")
@@ -217,12 +217,12 @@ def test_flux_training_turns_cudnn_sdpa_off(capsys):
 
 
 def test_select_real_cases():
-    cases = model_zoo.all_cases(quick=False) + real_models.cases(quick=False)
-    eager = {c.id for c in model_zoo.select(cases, "diffusers-,transformers-", "cuda", quick=False)}
+    cases = model_cases.all_cases(quick=False) + real_models.cases(quick=False)
+    eager = {c.id for c in model_cases.select(cases, "diffusers-,transformers-", "cuda", quick=False)}
     assert eager == {f"{name}:{mode}" for name in MODELS for mode in ("train", "sample")}  # compile on request
-    named = model_zoo.select(cases, "diffusers-dit-xl-2:train-compile", "cuda", quick=False)
+    named = model_cases.select(cases, "diffusers-dit-xl-2:train-compile", "cuda", quick=False)
     assert [c.id for c in named] == ["diffusers-dit-xl-2:train-compile"]
-    assert "dit-1152-b8-s256:train-compile" in {c.id for c in model_zoo.select(cases, None, "cuda", quick=False)}
+    assert "dit-1152-b8-s256:train-compile" in {c.id for c in model_cases.select(cases, None, "cuda", quick=False)}
     dit = next(c for c in cases if c.id == "diffusers-dit-xl-2:sample")
     assert (dit.batch, dit.seq, dit.width) == (64, 256, 1152)  # B 32 x 2 for guidance, 256 px
     flux = next(c for c in cases if c.id == "diffusers-flux.1-dev:train")

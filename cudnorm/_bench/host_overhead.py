@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import model_zoo, plots
+from . import model_norms, plots
 
 CALLS = 40
 ROUNDS = 5
@@ -164,7 +164,7 @@ def bench(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int] = (
     for k in range(passes):  # each pass starts at another op, so none is always measured first
         start = k * len(ops) // passes
         for op, provider, make, forward in ops[start:] + ops[:start]:
-            with model_zoo.provider_settings(provider):
+            with model_norms.provider_settings(provider):
                 measured = _measure(make, forward)
             for key, us in measured.items():
                 samples.setdefault((op, provider, key), []).append(us)
@@ -213,7 +213,7 @@ def breakdown(rows: int = 256, cols: int = 4096, ada_shape: tuple[int, int, int]
     """Where the host time of a call goes: each stage of cudnorm's path timed alone (same
     tensors, GPU held busy), beside the whole call. ``[{"call", "stage", "us"}]``. Every
     call runs cudnorm's cuDNN path (``policy="cudnn"``), the path it takes apart."""
-    with model_zoo.provider_settings("cudnorm-cudnn"):
+    with model_norms.provider_settings("cudnorm-cudnn"):
         return _breakdown(rows, cols, ada_shape)
 
 

@@ -3,7 +3,7 @@
 Op benchmarks call one kernel on the same tensors again and again; a model step makes new
 tensors every time (the caching allocator hands out different buffers, shapes meet plans
 already built or not, the host enqueues hundreds of ops). Users judge cudnorm by that step
-time, so this suite times whole steps of five models (:mod:`.model_zoo`), where each
+time, so this suite times whole steps of five models (:mod:`.model_zoo`, configured by :mod:`.model_cases`), where each
 provider swaps *only* the norms and the weights are identical (seeded):
 
 * DiT (adaLN-Zero): torch's eager ``norm(x) * (1 + scale) + shift`` vs
@@ -63,8 +63,8 @@ from pathlib import Path
 
 import torch
 
-from . import host_profile, model_zoo, real_models, report, runner
-from .model_zoo import Case
+from . import host_profile, model_cases, model_norms, model_zoo, real_models, report, runner
+from .model_cases import Case
 from .real_models import RealCase
 from .._progress import progress
 
@@ -203,7 +203,7 @@ def build(case: Case, provider: str, device: str, dtype: torch.dtype) -> Workloa
     """The seeded model of ``case`` with ``provider``'s norms, on ``device`` in ``dtype``
     (``train-autocast``: fp32 parameters, bf16 inputs, the forward under autocast)."""
     b, s, d = case.batch, case.seq, case.width
-    params, act = model_zoo.dtypes(case, dtype)
+    params, act = model_cases.dtypes(case, dtype)
     inputs = _randn(device, act, (b, s, d))
     if case.model == "dit":
         model = model_zoo.build_dit(d, case.heads, case.depth, provider).to(device, params)
@@ -397,7 +397,7 @@ def _prepare(case, providers, settings, device, dtype, rows) -> dict[str, Worklo
     make = _builder(case, device, dtype)
     for p in providers:
         try:
-            with model_zoo.provider_settings(p):
+            with model_norms.provider_settings(p):
                 reference = _prepare_one(case, p, make, settings, device, rows, live, reference, outputs)
         except Exception as exc:  # noqa: BLE001 - OOM, missing kernel...: reported, the rest runs
             rows[p]["status"] = runner.describe(exc)
@@ -425,7 +425,7 @@ def _fp32_errors(live: dict[str, Workload], outputs: dict, device: str, rows: di
     for p in outputs:
         if base:
             rows[p]["fp32_err_vs_torch"] = rows[p]["fp32_err"] / base
-        if (model_zoo.norm_provider(p) == "cudnorm" and rows[p]["fp32_err_vs_torch"] is not None
+        if (model_norms.norm_provider(p) == "cudnorm" and rows[p]["fp32_err_vs_torch"] is not None
                 and rows[p]["fp32_err_vs_torch"] > FP32_ERROR_RULE):
             rows[p]["status"] = (f"failed: output error vs fp32 {rows[p]['fp32_err_vs_torch']:.2f}x the unpatched "
                                  f"model's (at most {FP32_ERROR_RULE}x)")
@@ -476,7 +476,7 @@ def _interleave(case, live, settings, device, rows) -> None:
                     _sync(device)
                     torch.cuda.reset_peak_memory_stats()
                 _mark(case, p, "timed steps")
-                with model_zoo.provider_settings(p):
+                with model_norms.provider_settings(p):
                     steps[p].append(_timed_steps(live[p], settings.k(case), device))
                     hosts[p] += [_host_step(live[p], device) for _ in range(settings.host_samples(case))]
                 if device == "cuda":
@@ -501,7 +501,7 @@ def norm_ms(case: Case, provider: str, device: str, dtype: torch.dtype) -> float
     calls as one forward makes, each forward (+ autograd backward in training), captured in
     a CUDA graph after a side-stream warm-up (plans, compilation, autotuning must happen
     outside the capture) and timed over replays with CUDA events."""
-    work = model_zoo.norm_work(case, provider, device, dtype)
+    work = model_cases.norm_work(case, provider, device, dtype)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -563,7 +563,7 @@ def run_case(case: Case | RealCase, providers: list[str], settings: Settings, de
             if device != "cuda" or rows[p]["step_ms"] is None or real:
                 continue
             try:
-                with model_zoo.provider_settings(p):
+                with model_norms.provider_settings(p):
                     rows[p]["norm_ms"] = norm_ms(case, p, device, dtype)
             except Exception as exc:  # noqa: BLE001 - the step numbers stand without it
                 rows[p]["status"] = f"ok (norm_ms: {runner.describe(exc)})"
@@ -648,7 +648,7 @@ def resumed(out: Path) -> list[dict]:
         case_id, provider, phase = (marker.read_text().strip().split("\t") + ["", "", ""])[:3]
         if case_id and not any(r["case"] == case_id for r in rows):
             model, mode = case_id.rsplit(":", 1)
-            verdict = "failed" if model_zoo.norm_provider(provider) == "cudnorm" else "skipped"
+            verdict = "failed" if model_norms.norm_provider(provider) == "cudnorm" else "skipped"
             rows.append({**{c: None for c in COLUMNS}, "model": model, "case": case_id, "mode": mode,
                          "provider": provider or "torch",
                          "status": f"{verdict}: the process died in provider {provider}'s {phase} (a CUDA error "

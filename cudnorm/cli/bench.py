@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .. import _bench
-from .._bench import (host_overhead, model_zoo, models, models_report, plots, providers, real_models, report, runner,
+from .._bench import (host_overhead, model_cases, models, models_report, plots, providers, real_models, report, runner,
                       sweep, sweep_report)
 from .._spec import dtype_from_name
 from . import _args
@@ -268,9 +268,9 @@ def run(args) -> int:
                 raise _args.UsageError(f"--{flag}", "does not apply to --models (its cases fix their shapes and dtype)")
         # on a CPU PyTorch against itself shows how far apart equal kernels time (every provider runs PyTorch's code)
         defaults = models.DEFAULT_PROVIDERS + (("torch-again",) if device == "cpu" else ())
-        every = model_zoo.all_cases(args.quick) + real_models.cases(args.quick, "diffusers-all" in args.models)
+        every = model_cases.all_cases(args.quick) + real_models.cases(args.quick, "diffusers-all" in args.models)
         asked = ",".join(defaults) if args.providers is None else args.providers
-        chosen = (_pick(asked, models.PROVIDERS, "providers"), model_zoo.select(every, args.models, device, args.quick))
+        chosen = (_pick(asked, models.PROVIDERS, "providers"), model_cases.select(every, args.models, device, args.quick))
         if not chosen[1]:
             raise _args.UsageError("--models", f"no case matches {args.models!r} (case ids look like "
                                                "dit-1152-b8-s1024:train-compile or diffusers-flux.1-dev:train)")

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import model_zoo
+from .. import model_cases, model_norms, model_zoo
 from . import diffusers_all, diffusers_models, limit, transformers_models
 from .spec import RealModel
 
@@ -44,7 +44,7 @@ ALWAYS = ("torch-again", "limit")
 
 
 @dataclass(frozen=True)
-class RealCase(model_zoo.CaseMode):
+class RealCase(model_cases.CaseMode):
     """One real model in one mode, with the attributes :mod:`..models` reads of a case."""
 
     model: str  # a key of MODELS
@@ -150,7 +150,7 @@ def provider_copy(base: torch.nn.Module, provider: str) -> tuple[torch.nn.Module
     """A deep copy of ``base`` with ``provider``'s norms, and a note for its row (what
     ``cudnorm.patch`` left, when it left something)."""
     model = copy.deepcopy(base)
-    kind = model_zoo.norm_provider(provider)
+    kind = model_norms.norm_provider(provider)
     if kind == "cudnorm":
         import cudnorm  # noqa: PLC0415
 
