@@ -6,7 +6,8 @@
 #         notebooks notebooks-store host api autotune bench-ln bench-rms sweep ada rows real-diffusers real-transformers
 #         diffusers-all
 # sweep: cudnorm bench --sweep (default grid: widths x rows, cudnorm/cudnn/kernel/torch/torch-again, and the prior
-#   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own under OUT/sweep.
+#   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own.
+# Plan stores go under STORES (default $TMPDIR/cudnorm-stores, a folder per OUT), not OUT.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
 # the tests marked `alone` run after them, in one process (ALONE_LIMIT s, default LIMIT's). TESTS_SHARD=i/n: only every n-th test
@@ -49,7 +50,12 @@ if [ "${1:-}" = "--spread" ]; then
 fi
 out=${1:?output directory}; shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 CUDNORM_PLAN_STORE_DIR="$out/plan-store"
+# plan stores (hundreds of files) live outside OUT, emptied at the start as a fresh OUT would
+# be: a lent machine sends back a limited number of files, and one run's store crowded out the
+# models.csv beside it
+stores="${STORES:-${TMPDIR:-/tmp}/cudnorm-stores}/$(realpath -m "$out" | tr / _)"
+rm -rf "$stores"; mkdir -p "$stores"
+export PYTHONUNBUFFERED=1 CUDNORM_PLAN_STORE_DIR="$stores/plan-store"
 # a test running longer than this prints every thread's stack into its part's log (pytest's
 # faulthandler_timeout): a part cut by its limit then says where it was
 STUCK_S=${STUCK_S:-60}
@@ -72,7 +78,7 @@ for stage in "$@"; do
       for i in $(seq 0 $((n - 1))); do
         awk -v n="$n" -v i="$i" 'NR % n == i' "$out/gpu_ids.txt" > "$out/ids_$i"
         mapfile -t ids < "$out/ids_$i"
-        CUDNORM_PLAN_STORE_DIR="$out/plan-store-$i" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
+        CUDNORM_PLAN_STORE_DIR="$stores/plan-store-$i" timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider \
           -o faulthandler_timeout="$STUCK_S" \
           -rfEs --tb=short --junitxml="$out/part$i.xml" "${ids[@]}" > "$out/part$i.log" 2>&1 &
       done
@@ -81,7 +87,7 @@ for stage in "$@"; do
       # (in the first shard only)
       shard=${TESTS_SHARD:-0/1}
       if [ "$shard" = "0/${shard#*/}" ]; then
-        CUDNORM_PLAN_STORE_DIR="$out/plan-store-alone" timeout "${ALONE_LIMIT:-${LIMIT:-420}}" python3 -m pytest -q -p no:cacheprovider \
+        CUDNORM_PLAN_STORE_DIR="$stores/plan-store-alone" timeout "${ALONE_LIMIT:-${LIMIT:-420}}" python3 -m pytest -q -p no:cacheprovider \
           -o faulthandler_timeout="$STUCK_S" \
           -m "gpu and alone" -rfEs --tb=short --junitxml="$out/part-alone.xml" tests > "$out/part-alone.log" 2>&1
       fi
@@ -116,7 +122,7 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
-    sweep)       CUDNORM_PLAN_STORE_DIR="$out/sweep/plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
+    sweep)       CUDNORM_PLAN_STORE_DIR="$stores/sweep-plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
                    --sweep --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/sweep" 2>&1 | tail -40 ;;
     lookup)      timeout 120 python3 benchmarks/decision_lookup.py --out "$out" 2>&1 | tee "$out/lookup.log" | tail -8 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
