@@ -112,10 +112,13 @@ def share_decisions(group=None, src: int = 0) -> int:
 
 def serving_decisions() -> list[dict]:
     """The measured decisions of this process (:mod:`cudnorm._decisions`): one dict per call
-    signature with ``signature`` (op/phase/dtypes/width/row bucket), ``serves`` (``"cudnn"``,
-    ``"torch"`` or ``"kernel"``), ``source`` (``measured``, ``stored``, ``prior``, ...), ``ms``
-    (the measured ms per call of each candidate), ``spread`` (each timing's relative spread over
-    its rounds), ``prior_ms`` and ``errors`` (what a candidate raised, if one did)."""
+    signature with ``signature`` (op/phase/dtypes/width/row bucket), ``device``,
+    ``deterministic``, ``serves`` (``"cudnn"``, ``"torch"`` or ``"kernel"``), ``source``
+    (``measured``, ``stored``, ``prior``, ...), ``ms`` (each candidate's measured ms per call,
+    GPU plus host time: what decides), ``gpu_ms`` (the same calls' GPU time alone, where it was
+    kept), ``spread`` (each timing's relative spread over its rounds), ``rounds`` (how many: 3,
+    or 9 for a close lead timed again in paired rounds), ``prior_ms``, ``errors`` (what a
+    candidate raised, if one did) and ``cost_ms`` (the wall ms the measurement took, by part)."""
     return _decisions.decisions()
 
 
