@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _lru, _runtime
+from . import _gpu_lock, _lru, _runtime
 from ._spec import NormSpec
 
 # Fixed uids per tensor role, so the ordered execute path and serialized plans agree.
@@ -467,11 +467,25 @@ def _time_plans(g, spec: NormSpec, indices=None, reps: int = 20, budget_ms: floa
     h = _runtime.handle(spec.device_index)
     device = torch.device("cuda", spec.device_index)
     flush = _l2_flush_buffer(device)
-    workspaces = {}
+    built = {}
     for index in autotune_candidates(g) if indices is None else indices:
-        try:  # a plan that does not build or run is simply not a candidate
+        try:  # a plan that does not build is simply not a candidate
             g.build_plan_at_index(index)
-            ws = torch.empty(max(int(g.get_workspace_size_plan_at_index(index)), 1), dtype=torch.uint8, device=device)
+            built[index] = torch.empty(max(int(g.get_workspace_size_plan_at_index(index)), 1), dtype=torch.uint8,
+                                       device=device)
+        except Exception:
+            continue
+    # built (CPU work) beside other processes, timed alone on the GPU (_gpu_lock says why)
+    with _gpu_lock.held(_gpu_lock.device_key(spec.device_index)):
+        return _time_built(g, spec, built, uid_map, h, flush, reps, budget_ms)
+
+
+def _time_built(g, spec: NormSpec, built: dict, uid_map: dict, h, flush, reps: int, budget_ms: float) -> dict[int, float]:
+    """:func:`_time_plans`' timing of the plans ``built`` (index: workspace)."""
+    device = flush.device
+    workspaces = {}
+    for index, ws in built.items():
+        try:  # a plan that does not run is simply not a candidate
             g.execute_plan_at_index(uid_map, ws, index, handle=h)  # warm-up: first-launch costs
             workspaces[index] = ws
         except Exception:

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_entry", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
+    ("_entry", "_gpu_lock", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
      "reference"),  # no package imports
     ("_triton_launch",),  # what C++ needs to launch a compiled kernel; Python's launches through C++
     ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
