@@ -112,15 +112,25 @@ class Candidate:
     prepare: Callable[..., Callable[[], object]]
 
 
+def random_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Normal random values of ``shape``, drawn from a generator of cudnorm's own (seeded, so
+    the same every time): a measurement must not move the caller's random number streams, or
+    a seeded job would draw other dropout masks in a process that measured a signature than
+    in one that loaded the stored decision."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+
+
 def gradient(x: torch.Tensor) -> torch.Tensor:
     """An incoming gradient for a training closure's backward: a tensor of ``x``'s shape, dtype
-    and device of its own, normally distributed. Not ``x`` itself: a backward reading one
-    tensor as both its input and its gradient finds half of it in L2, which made PyTorch's
-    backward look 20-25% faster than a step gets it, and cudnorm's kernel 4% (LayerNorm
-    7360 x 4559 bf16, H200: 0.168 against 0.210 ms; docs/performance.md, Decisions). Where
-    there is no memory for it, ``x`` (the measurement still runs, biased as before)."""
+    and device of its own, normally distributed (:func:`random_tensor`). Not ``x`` itself: a
+    backward reading one tensor as both its input and its gradient finds half of it in L2,
+    which made PyTorch's backward look 20-25% faster than a step gets it, and cudnorm's kernel
+    4% (LayerNorm 7360 x 4559 bf16, H200: 0.168 against 0.210 ms; docs/performance.md,
+    Decisions). Where there is no memory for it, ``x`` (the measurement still runs, biased as
+    before)."""
     try:
-        return torch.randn_like(x)
+        return random_tensor(x.shape, x.dtype, x.device)
     except torch.OutOfMemoryError:
         return x
 

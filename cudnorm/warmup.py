@@ -308,7 +308,7 @@ def _decision_call(spec: NormSpec, specs: list[NormSpec], device: torch.device) 
     if spec.op == "ada_layer_norm":
         if spec.scale_dtype != spec.x_dtype or spec.batch < 1:
             return None
-        x = torch.randn((spec.batch, spec.rows // spec.batch, spec.cols), dtype=spec.x_dtype, device=device)
+        x = _candidates.random_tensor((spec.batch, spec.rows // spec.batch, spec.cols), spec.x_dtype, device)
         scale = torch.zeros((spec.batch, spec.cols), dtype=spec.x_dtype, device=device)
         return _candidates.ADA_LAYER_NORM, x, spec.cols, scale, torch.zeros_like(scale), training
     if spec.op not in ("layer_norm", "rms_norm"):
@@ -316,7 +316,7 @@ def _decision_call(spec: NormSpec, specs: list[NormSpec], device: torch.device) 
     backward = [s for s in specs if s.phase == "bwd" and (s.op, s.rows, s.cols, s.x_dtype) ==
                 (spec.op, spec.rows, spec.cols, spec.x_dtype)]
     weight_dtype = backward[0].scale_dtype if backward else spec.scale_dtype
-    x = torch.randn((spec.rows, spec.cols), dtype=spec.x_dtype, device=device)
+    x = _candidates.random_tensor((spec.rows, spec.cols), spec.x_dtype, device)
     weight = torch.ones(spec.cols, dtype=weight_dtype, device=device)
     bias = torch.zeros_like(weight) if spec.op == "layer_norm" else None
     return spec.op, x, spec.cols, weight, bias, training

@@ -184,8 +184,9 @@ def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
     """A candidate's training closure runs its backward on a gradient of its own, never on its
     input: with the input as its gradient a backward reads one tensor twice and L2 serves half
     of it, which made PyTorch's backward read 20-25% faster than in a step (H200,
-    docs/performance.md, Decisions). No backward op gets two tensors sharing memory, and the
-    gradients handed to autograd share none with its leaves or each other."""
+    docs/performance.md, Decisions). No backward op gets two tensors sharing memory, the
+    gradients handed to autograd share none with its leaves or each other, and none is drawn
+    from the caller's random numbers (a seeded job would draw others after a measurement)."""
     per_sample = op in _candidates.MODULATED and op not in _candidates.TOKEN
     sig = Signature(op, True, torch.float32, None if op == "rms_norm" else torch.float32,
                     torch.float32 if op == "layer_norm" or op in _candidates.MODULATED else None, 64, 6)
@@ -202,6 +203,8 @@ def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
         return grad(outputs, inputs, grad_outputs, **kwargs)
 
     monkeypatch.setattr(torch.autograd, "grad", recording_grad)
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
     ran = 0
     for name in _candidates.candidates_for(sig):
         handed.clear()
@@ -218,6 +221,7 @@ def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
             assert len(set(grads)) == len(grads), (name, "one tensor is the gradient of two outputs")
             assert not set(grads) & set(inputs), (name, "a gradient shares an autograd leaf's memory")
     assert ran, "PyTorch's candidate at least runs on a CPU"
+    assert torch.equal(torch.get_rng_state(), rng), "a measurement drew from the caller's random numbers"
 
 
 def test_time_closures_keeps_each_rounds_gpu_time(monkeypatch):

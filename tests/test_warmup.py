@@ -189,6 +189,19 @@ def test_warmup_measures_the_decision_of_every_forward_spec():
     assert warmup_mod._decision_call(rms, [rms], cpu)[4] is None
 
 
+def test_warmups_inputs_leave_the_callers_random_numbers_alone():
+    """``cudnorm.warmup`` after ``torch.manual_seed`` must not move the seeded streams (a job
+    would draw other random numbers with warmup than without): its inputs come from
+    cudnorm's own generator."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    for spec in (NormSpec("ada_layer_norm", "train", 4 * 256, 1152, torch.bfloat16, torch.bfloat16, 0, batch=4),
+                 NormSpec("layer_norm", "infer", 64, 4096, torch.bfloat16, torch.bfloat16, 0)):
+        assert warmup_mod._decision_call(spec, [spec], cpu) is not None
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("name", sorted(warmup_mod.PRESETS))
 def test_every_preset_builds_valid_specs(fused_kernel, name):
     specs = warmup_mod.preset_specs(name, batch=3)
