@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cudnorm import _candidates, cli
-from cudnorm._bench import sweep, sweep_report
+from cudnorm._bench import sweep, sweep_compare, sweep_report
 
 
 def test_default_grid_follows_the_issue_rules():
@@ -178,3 +178,47 @@ def test_heatmap_rows_are_the_element_counts_the_cells_were_sized_from():
     assert exps == [21, 25, 26] and widths == [192, 256, 1152]
     assert values[1][:2] == [2.0, 3.0] and values[2][0] == 4.0 and values[0][2] == 0.5
     assert sum(v == v for line in values for v in line) == 4  # the other cells: NaN (not timed)
+
+
+def _run(cells):
+    """Sweep rows of ``{cols: (torch ms, cudnorm ms, served, cudnn ms)}``."""
+    return [r for cols, (torch_ms, ours, served, cudnn) in cells.items()
+            for r in (_row("torch", torch_ms, cols=cols), _row("cudnorm", ours, cols=cols, serves=served),
+                      _row("cudnn", cudnn, cols=cols))]
+
+
+def test_two_sweeps_compare_cell_by_cell():
+    """``--against``: each provider's moves beyond 15% (PyTorch's the noise floor), and the cells
+    where cudnorm's own-run ratio to PyTorch fell by more than 5%, worst first."""
+    old = _run({1024: (1.0, 0.80, "cudnn", 0.80), 2048: (1.0, 0.90, "cudnn", 0.90), 4096: (1.0, 1.0, "torch", 1.2),
+                8192: (1.0, 0.5, "kernel", 2.0)})
+    new = _run({1024: (1.1, 1.10, "torch", 0.64), 2048: (1.0, 0.93, "cudnn", 0.93), 4096: (1.0, 0.8, "cudnn", 0.8),
+                256: (1.0, 0.5, "kernel", 2.0)})  # 8192 and 256: in one run only
+    moves = {line[0]: line[1:] for line in sweep_compare.provider_moves(new, old)[1:]}
+    assert moves["torch"] == ["3", "1.000", "0", "0"]
+    assert moves["cudnn"] == ["3", "0.800", "0", "2"], "1024: 0.80x, 4096: 0.67x; 2048's 3% is no move"
+    assert moves["cudnorm"][2:] == ["1", "1"]
+    losses = sweep_compare.served_losses(new, old)
+    assert losses[1:] == [["layer_norm train bf16/w=bf16/b=True", "1024", "32768", "1.25x", "1.00x", "cudnn -> torch"]]
+    summary = sweep_compare.served_summary(new, old)
+    assert summary[1][:5] == ["old", "3", "1.00x", "1.11x", "0"]
+    assert summary[2] == ["new", "3", "1.00x", "1.08x", "0", "1", "1"]
+
+
+def test_against_compares_two_sweep_csvs(tmp_path, capsys):
+    for name, rows in (("new", _run({1024: (1.0, 1.0, "torch", 0.7)})), ("old", _run({1024: (1.0, 0.8, "cudnn", 0.8)}))):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "sweep.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sweep.COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    new, old = (str(tmp_path / n / "sweep.csv") for n in ("new", "old"))
+    assert cli.main(["bench", "--from-csv", new, "--against", old]) == 0
+    out = capsys.readouterr().out
+    assert "cudnn -> torch" in out and "1.25x" in out
+    assert cli.main(["bench", "--against", old]) == 2
+    assert "--against" in capsys.readouterr().err
+    other = tmp_path / "bench.csv"
+    other.write_text("op,provider\nln_fwd,torch\n")
+    assert cli.main(["bench", "--from-csv", str(other), "--against", old]) == 2
+    assert "is not a sweep.csv" in capsys.readouterr().err

@@ -13,6 +13,7 @@ Run::
                                              # and the dispatcher's prior: _bench/sweep.py
     cudnorm bench --sweep --quick            # a handful of cells, any device (seconds on a CPU)
     cudnorm bench --sweep --widths 88,96,2240 --elements 21,25 --providers torch,cudnorm,torch-again
+    cudnorm bench --from-csv NEW/sweep.csv --against OLD/sweep.csv   # two sweeps cell by cell
     cudnorm bench --models [FILTER] [--quick]   # whole model steps (DiT, SD3, Flux, Llama, GPT-2, and
                                                 # diffusers'/transformers' own: _bench/real_models):
                                                 # _bench/models.py
@@ -43,7 +44,7 @@ import torch
 
 from .. import _bench
 from .._bench import (host_overhead, model_cases, models, models_report, plots, providers, real_models, report, runner,
-                      sweep, sweep_report)
+                      sweep, sweep_compare, sweep_report)
 from .._spec import dtype_from_name
 from . import _args
 
@@ -111,6 +112,10 @@ def add_arguments(parser) -> None:
                              "host_overhead.csv or sweep.csv")
     parser.add_argument("--call", help="with --from-csv of a results file with a 'call' column: draw this "
                                        "device call (default: the latest)")
+    parser.add_argument("--against", metavar="CSV", type=_args.input_file,
+                        help="with --from-csv of a sweep.csv: compare it cell by cell with this earlier "
+                             "sweep.csv (how far each provider moved, PyTorch's column the noise floor; the "
+                             "cells where what cudnorm serves lost ground)")
 
 
 def _pick(text: str | None, known, what: str) -> list[str]:
@@ -150,6 +155,31 @@ def _print_tables(rows: list[dict], names: list[str], copy_gbps: float) -> None:
     print("\n" + report.LEGEND)
     for op, lines in report.op_tables(rows, names).items():
         print(f"\n{op}  GB/s  (copy {copy_gbps:.0f} GB/s)\n{report.text_table(lines)}")
+
+
+def _against(path: Path, earlier: Path) -> int:
+    """Print how the sweep in ``path`` compares with the ``earlier`` one, cell by cell."""
+    runs = []
+    for flag, file in (("--from-csv", path), ("--against", earlier)):
+        try:
+            with open(file, newline="") as f:
+                columns = set(next(csv.reader(f), []))
+            if not set(sweep.COLUMNS) <= columns:
+                raise _args.UsageError(flag, f"{str(file)!r} is not a sweep.csv (--against compares two sweeps)")
+            runs.append(sweep_report.read_csv(file))
+        except (UnicodeDecodeError, csv.Error, KeyError, ValueError, TypeError) as exc:
+            raise _args.UsageError(flag, f"{str(file)!r} is not a readable sweep.csv ({type(exc).__name__}: "
+                                         f"{str(exc)[:120]})") from None
+    new, old = runs
+    print(f"{path} against {earlier}\n")
+    print("How far each provider's GPU times moved (PyTorch's: the noise floor)\n"
+          + report.text_table(sweep_compare.provider_moves(new, old), right=0))
+    print("\ncudnorm against PyTorch, in each run's own timing\n"
+          + report.text_table(sweep_compare.served_summary(new, old), right=0))
+    losses = sweep_compare.served_losses(new, old)
+    print("\nCells where cudnorm lost ground against PyTorch\n"
+          + (report.text_table(losses, right=0) if len(losses) > 1 else "(none)"))
+    return 0
 
 
 def _from_csv(path: Path, call: str | None) -> int:
@@ -249,6 +279,10 @@ def _redraw_host(rows: list[dict], path: Path) -> int:
 
 
 def run(args) -> int:
+    if args.against is not None and not args.from_csv:
+        raise _args.UsageError("--against", "goes with --from-csv (a sweep.csv)")
+    if args.from_csv and args.against is not None:
+        return _against(args.from_csv, args.against)
     if args.from_csv:
         return _from_csv(args.from_csv, args.call)
     if args.call is not None:

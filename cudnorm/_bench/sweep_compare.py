@@ -1,0 +1,84 @@
+"""Two ``cudnorm bench --sweep`` runs cell by cell (``cudnorm bench --from-csv NEW --against OLD``):
+how far each provider's GPU times moved between them, PyTorch's column being the noise floor of
+the two machines and runs, and the cells where what cudnorm serves lost ground against PyTorch.
+
+A change to the dispatcher or a kernel is judged by a sweep after it against one before it;
+between two default sweeps on H200s cuDNN's own column moved by more than 15% in 21-40 of 732
+cells while PyTorch's moved in none (docs/performance.md, width sweep), so a provider's moves are
+read against PyTorch's before a served cell's are blamed on the change."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from .sweep import PROVIDERS
+from .sweep_report import LEFT, _case
+
+# a provider's GPU time "moved" in a cell where the two runs differ by more than this either way:
+# PyTorch's own column stayed inside it in every cell between five default sweeps on H200s
+MOVED = 0.15
+
+
+def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """``{(case, cols, rows): {provider: row}}`` of the rows with a GPU time."""
+    out = defaultdict(dict)
+    for r in rows:
+        if r.get("gpu_ms"):
+            out[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
+    return out
+
+
+def provider_moves(new: list[dict], old: list[dict]) -> list[list[str]]:
+    """Per provider timed in both runs: the cells both timed, the median new / old GPU time, and
+    the cells where it grew or shrank by more than :data:`MOVED`."""
+    a, b = _cells(new), _cells(old)
+    lines = [["provider", "cells in both", "new / old (median)", f"slower by > {MOVED:.0%}",
+              f"faster by > {MOVED:.0%}"]]
+    for provider in PROVIDERS:
+        ratios = [a[k][provider]["gpu_ms"] / b[k][provider]["gpu_ms"]
+                  for k in a.keys() & b.keys() if provider in a[k] and provider in b[k]]
+        if ratios:
+            lines.append([provider, str(len(ratios)), f"{statistics.median(ratios):.3f}",
+                          str(sum(r > 1 + MOVED for r in ratios)), str(sum(r < 1 / (1 + MOVED) for r in ratios))])
+    return lines
+
+
+def _served(cell: dict[str, dict]) -> float | None:
+    """cudnorm's ratio to PyTorch's GPU time in one run's cell (> 1: faster than PyTorch)."""
+    if "cudnorm" not in cell or "torch" not in cell:
+        return None
+    return cell["torch"]["gpu_ms"] / cell["cudnorm"]["gpu_ms"]
+
+
+def served_losses(new: list[dict], old: list[dict], count: int = 20) -> list[list[str]]:
+    """The ``count`` cells where cudnorm's ratio to PyTorch (each run's own) fell the most, by more
+    than :data:`cudnorm._bench.sweep_report.LEFT`: the ratio and what served in each run."""
+    a, b = _cells(new), _cells(old)
+    fell = []
+    for key in a.keys() & b.keys():
+        now, then = _served(a[key]), _served(b[key])
+        if now is not None and then is not None and now < then / (1 + LEFT):
+            fell.append((now / then, key, now, then))
+    lines = [["cell", "N", "rows", "old", "new", "served (old -> new)"]]
+    for _, (case, cols, rows), now, then in sorted(fell)[:count]:
+        serves = [run[(case, cols, rows)]["cudnorm"].get("serves") or "?" for run in (b, a)]
+        lines.append([case, str(cols), str(rows), f"{then:.2f}x", f"{now:.2f}x", " -> ".join(serves)])
+    return lines
+
+
+def served_summary(new: list[dict], old: list[dict]) -> list[list[str]]:
+    """Both runs over the cells both timed: cudnorm's worst and median ratio to PyTorch, the cells
+    below 1.00x, and the cells whose ratio fell or rose by more than ``LEFT``."""
+    a, b = _cells(new), _cells(old)
+    pairs = [(_served(a[k]), _served(b[k])) for k in a.keys() & b.keys()]
+    pairs = [(now, then) for now, then in pairs if now is not None and then is not None]
+    if not pairs:
+        return [["run", "cells"]]
+    lines = [["run", "cells", "worst", "median", "below 1.00x", f"fell by > {LEFT:.0%}", f"rose by > {LEFT:.0%}"]]
+    for name, ratios in (("old", [t for _, t in pairs]), ("new", [n for n, _ in pairs])):
+        lines.append([name, str(len(ratios)), f"{min(ratios):.2f}x", f"{statistics.median(ratios):.2f}x",
+                      str(sum(r < 0.995 for r in ratios)),
+                      str(sum(n < t / (1 + LEFT) for n, t in pairs)) if name == "new" else "",
+                      str(sum(n > t * (1 + LEFT) for n, t in pairs)) if name == "new" else ""])
+    return lines
