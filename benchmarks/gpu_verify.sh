@@ -3,11 +3,13 @@
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
-#         notebooks notebooks-store host api autotune bench-ln bench-rms sweep ada rows real-diffusers real-transformers
+#         notebooks notebooks-store host api autotune bench-ln bench-rms sweep sweep-bare sweep-fp32-weights ada rows
+#         real-diffusers real-transformers
 #         diffusers-all
 # sweep: cudnorm bench --sweep (default grid: widths x rows, cudnorm/cudnn/kernel/torch/torch-again, and the prior
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own. With SWEEP_AGAINST=an
 #   earlier sweep.csv, the two compared cell by cell (cudnorm bench --from-csv ... --against) into OUT/sweep/against.txt.
+#   sweep-bare, sweep-fp32-weights: the same cells without weights, and with fp32 weights (one call each).
 # Plan stores go under STORES (default $TMPDIR/cudnorm-stores, a folder per OUT), not OUT.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
@@ -123,12 +125,14 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
-    sweep)       CUDNORM_PLAN_STORE_DIR="$stores/sweep-plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
-                   --sweep --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/sweep" 2>&1 | tail -40
-                 # SWEEP_AGAINST=an earlier sweep.csv: the two cell by cell, into OUT/sweep/against.txt
-                 if [ -n "${SWEEP_AGAINST:-}" ] && [ -f "$out/sweep/sweep.csv" ]; then
-                   python3 -m cudnorm.cli bench --from-csv "$out/sweep/sweep.csv" --against "$SWEEP_AGAINST" \
-                     > "$out/sweep/against.txt" 2>&1; head -20 "$out/sweep/against.txt"
+    sweep|sweep-bare|sweep-fp32-weights)  # the default grid, or a variant of it (cudnorm bench --sweep bare, ...)
+                 kind=default; [ "$stage" = sweep ] || kind=${stage#sweep-}
+                 CUDNORM_PLAN_STORE_DIR="$stores/$stage-plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
+                   --sweep "$kind" --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/$stage" 2>&1 | tail -40
+                 # SWEEP_AGAINST=an earlier sweep.csv of the same grid: the two cell by cell, into OUT/<stage>/against.txt
+                 if [ -n "${SWEEP_AGAINST:-}" ] && [ -f "$out/$stage/sweep.csv" ]; then
+                   python3 -m cudnorm.cli bench --from-csv "$out/$stage/sweep.csv" --against "$SWEEP_AGAINST" \
+                     > "$out/$stage/against.txt" 2>&1; head -20 "$out/$stage/against.txt"
                  fi ;;
     lookup)      timeout 120 python3 benchmarks/decision_lookup.py --out "$out" 2>&1 | tee "$out/lookup.log" | tail -8 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;

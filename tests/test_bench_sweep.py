@@ -33,6 +33,21 @@ def test_default_grid_follows_the_issue_rules():
     assert {(c.dtype, c.weight) for c in cells} == {(torch.bfloat16, torch.bfloat16)}
 
 
+@pytest.mark.parametrize("kind, ops, weight", [
+    ("bare", {("layer_norm", None, False), ("rms_norm", None, False)}, None),
+    ("fp32-weights", {("layer_norm", torch.float32, True), ("rms_norm", torch.float32, False)}, torch.float32)])
+def test_variant_grids_are_the_default_cells_with_other_weights(kind, ops, weight):
+    """``--sweep bare`` and ``--sweep fp32-weights``: the default grid's shapes and directions
+    (one device call each) for the norms without weights (what diffusers' adaptive norms
+    normalise with) and with fp32 weights on bf16 activations."""
+    default, variant = sweep.cells(sweep.grid()), sweep.cells(sweep.grid(kind))
+    assert len(variant) == len(default)
+    assert {(c.cols, c.rows, c.direction) for c in variant} == {(c.cols, c.rows, c.direction) for c in default}
+    assert {(c.op, c.weight, c.bias) for c in variant} == ops
+    assert {c.dtype for c in variant} == {torch.bfloat16} and {c.weight for c in variant} == {weight}
+    assert kind in sweep.KINDS
+
+
 def test_full_grid_and_filters():
     full = sweep.grid("full")
     assert full.counts == (1 << 17, 1 << 21, 1 << 25) and full.head_counts == (1 << 26, 1 << 27)

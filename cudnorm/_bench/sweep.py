@@ -99,13 +99,29 @@ class Grid:
     head_widths: tuple[int, ...] = HEAD_WIDTHS
 
 
+# the named grids besides "default" and "full", each sized as the default (one device call): the
+# norm variants it leaves out that models run most
+VARIANTS = {
+    # no weight and no bias: the LayerNorm inside every adaptive norm of diffusers' blocks (DiT,
+    # PixArt, SD3, Flux: elementwise_affine=False, modulated after) and weightless RMSNorms
+    "bare": (("layer_norm", False, False), ("rms_norm", False, False)),
+    # fp32 weights on half-precision activations: a model kept in fp32 whose activations are cast
+    "fp32-weights": (("layer_norm", True, True), ("rms_norm", True, False)),
+}
+KINDS = ("default", "full", *VARIANTS)
+
+
 def grid(kind: str = "default", dtype: str = "bf16") -> Grid:
     """``default`` (one device call): ``dtype`` with weights in it, LN weight+bias and RMS weight,
     training and inference, 2^25 elements plus per-head 2^26 (about 730 cells: at the 0.7 s a
     cell of a lent H100's run, builds included, about 8.5 minutes; 2^21 is a second call,
-    ``--elements 21``); ``full``: every dtype,
+    ``--elements 21``); ``bare`` and ``fp32-weights`` (:data:`VARIANTS`): the same cells for
+    LayerNorm and RMSNorm without weights, and with fp32 weights; ``full``: every dtype,
     weight dtype, weight/bias choice and direction, 2^17/2^21/2^25 plus per-head 2^26/2^27;
     ``quick``: a handful of small cells (seconds on a CPU)."""
+    if kind in VARIANTS:
+        weights = ("fp32",) if kind == "fp32-weights" else ("x",)
+        return Grid(VARIANTS[kind], ("train", "infer"), (dtype,), weights, WIDTHS, (1 << 25,), (1 << 26,))
     if kind == "quick":
         return Grid((("layer_norm", True, True), ("rms_norm", True, False)), ("train", "infer"), ("bf16", "fp32"),
                     ("x",), (88, 128, 1152), (1 << 12,), ())

@@ -98,9 +98,10 @@ def add_arguments(parser) -> None:
                              "torch.profiler (each op's and autograd node's own host time, against PyTorch's step "
                              "in <case>__ops.txt) into --out/profiles/: where a patched host-bound step spends its "
                              "host time")
-    parser.add_argument("--sweep", nargs="?", const="default", choices=("default", "full"),
+    parser.add_argument("--sweep", nargs="?", const="default", choices=sweep.KINDS,
                         help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
-                             "(cudnorm/_bench/sweep.py); 'full': every dtype, weight dtype and direction")
+                             "(cudnorm/_bench/sweep.py); 'bare': the default's cells without weights, "
+                             "'fp32-weights': with fp32 weights; 'full': every dtype, weight dtype and direction")
     parser.add_argument("--widths", type=_ints, help="with --sweep: only these widths (e.g. 88,96,2240)")
     parser.add_argument("--elements", type=_ints, metavar="EXPONENTS",
                         help="with --sweep: only these element counts, as powers of two (e.g. 21,25)")
