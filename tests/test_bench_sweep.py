@@ -231,6 +231,8 @@ def test_against_compares_two_sweep_csvs(tmp_path, capsys):
     assert cli.main(["bench", "--from-csv", new, "--against", old]) == 0
     out = capsys.readouterr().out
     assert "cudnn -> torch" in out and "1.25x" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "new" / "against_old.png").stat().st_size > 0
     assert cli.main(["bench", "--against", old]) == 2
     assert "--against" in capsys.readouterr().err
     other = tmp_path / "bench.csv"

@@ -82,3 +82,61 @@ def served_summary(new: list[dict], old: list[dict]) -> list[list[str]]:
                       str(sum(n < t / (1 + LEFT) for n, t in pairs)) if name == "new" else "",
                       str(sum(n > t * (1 + LEFT) for n, t in pairs)) if name == "new" else ""])
     return lines
+
+
+_TICKS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
+def plot(new: list[dict], old: list[dict], path, title: str):
+    """One PNG: per op and direction, each cell's cudnorm ratio to PyTorch in the new run over the
+    old run's, by width (log scale; below 1: lost ground), the cells whose server changed marked,
+    and PyTorch again's same quotient in grey (the noise floor); ``None`` without matplotlib."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+    except ImportError:
+        return None
+    times = FuncFormatter(lambda v, _: f"{v:.3g}x")
+    a, b = _cells(new), _cells(old)
+    keys = sorted(a.keys() & b.keys(), key=lambda k: (k[0], k[1], k[2]))
+    panels = list(dict.fromkeys(" ".join(k[0].split()[:2]) for k in keys))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 0.4 + 2.2 * len(panels)), squeeze=False,
+                             layout="constrained")
+    for ax, panel in zip(axes[:, 0], panels):
+        mine = [k for k in keys if k[0].startswith(panel + " ")]
+        for provider, colour in (("torch-again", "0.6"), ("cudnorm", None)):
+            points = [(k[1], (a[k]["torch"]["gpu_ms"] / a[k][provider]["gpu_ms"])
+                       / (b[k]["torch"]["gpu_ms"] / b[k][provider]["gpu_ms"]), k) for k in mine
+                      if provider in a[k] and provider in b[k] and "torch" in a[k] and "torch" in b[k]]
+            if not points:
+                continue
+            if colour:
+                ax.scatter([p[0] for p in points], [p[1] for p in points], s=6, color=colour, label=provider)
+                continue
+            changed = [a[k]["cudnorm"].get("serves") != b[k]["cudnorm"].get("serves") for _, _, k in points]
+            for flag, marker, label in ((False, "o", "cudnorm, same server"), (True, "x", "cudnorm, server changed")):
+                chosen = [p for p, c in zip(points, changed) if c == flag]
+                if chosen:
+                    ax.scatter([p[0] for p in chosen], [p[1] for p in chosen], s=10 if flag else 8, marker=marker,
+                               label=label)
+        ax.axhspan(1 / (1 + LEFT), 1 + LEFT, color="0.92", zorder=0)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ax.set_yticks([t for t in _TICKS if low <= t <= high])
+        ax.yaxis.set_major_formatter(times)
+        ax.minorticks_off()
+        ax.set_title(panel, fontsize=9, loc="left")
+        ax.set_ylabel("new / old ratio", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel(f"width N (band: within {LEFT:.0%})", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

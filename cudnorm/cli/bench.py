@@ -116,7 +116,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--against", metavar="CSV", type=_args.input_file,
                         help="with --from-csv of a sweep.csv: compare it cell by cell with this earlier "
                              "sweep.csv (how far each provider moved, PyTorch's column the noise floor; the "
-                             "cells where what cudnorm serves lost ground)")
+                             "cells where what cudnorm serves lost ground; against_<folder>.png beside it)")
 
 
 def _pick(text: str | None, known, what: str) -> list[str]:
@@ -180,6 +180,9 @@ def _against(path: Path, earlier: Path) -> int:
     losses = sweep_compare.served_losses(new, old)
     print("\nCells where cudnorm lost ground against PyTorch\n"
           + (report.text_table(losses, right=0) if len(losses) > 1 else "(none)"))
+    png = sweep_compare.plot(new, old, path.with_name(f"against_{earlier.resolve().parent.name}.png"),
+                             f"cudnorm vs PyTorch: {path.resolve().parent.name} over {earlier.resolve().parent.name}")
+    print(f"\ndrew {png}" if png else "\nno PNG: matplotlib is not installed or no cell is in both")
     return 0
 
 
