@@ -10,29 +10,19 @@ read against PyTorch's before a served cell's are blamed on the change."""
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 
 from .sweep import PROVIDERS
-from .sweep_report import LEFT, _case
+from .sweep_report import LEFT, by_cell
 
 # a provider's GPU time "moved" in a cell where the two runs differ by more than this either way:
 # PyTorch's own column stayed inside it in every cell between five default sweeps on H200s
 MOVED = 0.15
 
 
-def _cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """``{(case, cols, rows): {provider: row}}`` of the rows with a GPU time."""
-    out = defaultdict(dict)
-    for r in rows:
-        if r.get("gpu_ms"):
-            out[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
-    return out
-
-
 def provider_moves(new: list[dict], old: list[dict]) -> list[list[str]]:
     """Per provider timed in both runs: the cells both timed, the median new / old GPU time, and
     the cells where it grew or shrank by more than :data:`MOVED`."""
-    a, b = _cells(new), _cells(old)
+    a, b = by_cell(new), by_cell(old)
     lines = [["provider", "cells in both", "new / old (median)", f"slower by > {MOVED:.0%}",
               f"faster by > {MOVED:.0%}"]]
     for provider in PROVIDERS:
@@ -54,7 +44,7 @@ def _served(cell: dict[str, dict]) -> float | None:
 def served_losses(new: list[dict], old: list[dict], count: int = 20) -> list[list[str]]:
     """The ``count`` cells where cudnorm's ratio to PyTorch (each run's own) fell the most, by more
     than :data:`cudnorm._bench.sweep_report.LEFT`: the ratio and what served in each run."""
-    a, b = _cells(new), _cells(old)
+    a, b = by_cell(new), by_cell(old)
     fell = []
     for key in a.keys() & b.keys():
         now, then = _served(a[key]), _served(b[key])
@@ -70,7 +60,7 @@ def served_losses(new: list[dict], old: list[dict], count: int = 20) -> list[lis
 def served_summary(new: list[dict], old: list[dict]) -> list[list[str]]:
     """Both runs over the cells both timed: cudnorm's worst and median ratio to PyTorch, the cells
     below 1.00x, and the cells whose ratio fell or rose by more than ``LEFT``."""
-    a, b = _cells(new), _cells(old)
+    a, b = by_cell(new), by_cell(old)
     pairs = [(_served(a[k]), _served(b[k])) for k in a.keys() & b.keys()]
     pairs = [(now, then) for now, then in pairs if now is not None and then is not None]
     if not pairs:
@@ -100,7 +90,7 @@ def plot(new: list[dict], old: list[dict], path, title: str):
     except ImportError:
         return None
     times = FuncFormatter(lambda v, _: f"{v:.3g}x")
-    a, b = _cells(new), _cells(old)
+    a, b = by_cell(new), by_cell(old)
     keys = sorted(a.keys() & b.keys(), key=lambda k: (k[0], k[1], k[2]))
     panels = list(dict.fromkeys(" ".join(k[0].split()[:2]) for k in keys))
     if not panels:

@@ -28,6 +28,15 @@ def _case(r: dict) -> str:
     return f"{r['op']} {r['direction']} {r['dtype']}/w={r['weight_dtype']}/b={r['bias']}"
 
 
+def by_cell(rows: list[dict]) -> dict[tuple[str, int, int], dict[str, dict]]:
+    """``{(case, cols, rows): {provider: row}}`` of the rows with a GPU time."""
+    cells = defaultdict(dict)
+    for r in rows:
+        if r.get("gpu_ms"):
+            cells[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
+    return cells
+
+
 def exponent(r: dict) -> int:
     """The power of two ``e`` a cell was sized from: its rows are ``2^e // cols``, so a width that
     does not divide ``2^e`` (72, 192, 1152, ...) leaves fewer elements than ``2^e``, yet more than
@@ -41,14 +50,12 @@ def _ratios(rows: list[dict], provider: str = "cudnorm") -> list[dict]:
 
 def worst_table(rows: list[dict], count: int = 20) -> list[list[str]]:
     """The ``count`` cells where cudnorm's ratio to PyTorch is lowest, with every provider's ratio."""
-    by_cell = defaultdict(dict)
-    for r in rows:
-        by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
+    cells = by_cell(rows)
     others = [p for p in PROVIDERS if p not in ("torch", "cudnorm") and any(r["provider"] == p for r in rows)]
     worst = sorted(_ratios(rows), key=lambda r: r["ratio_vs_torch"])[:count]
     lines = [["cell", "N", "rows", "torch ms", "cudnorm ms", "cudnorm", "serves", *others]]
     for r in worst:
-        got = by_cell[(_case(r), r["cols"], r["rows"])]
+        got = cells[(_case(r), r["cols"], r["rows"])]
         ratio = {p: got[p].get("ratio_vs_torch") for p in others if p in got}
         lines.append([_case(r), str(r["cols"]), str(r["rows"]), f"{got['torch']['gpu_ms']:.4f}",
                       f"{r['gpu_ms']:.4f}", f"{r['ratio_vs_torch']:.2f}x", r.get("serves") or "",
@@ -92,17 +99,14 @@ def worst_per_provider(rows: list[dict]) -> list[list[str]]:
 def copy_fractions(rows: list[dict], providers_: Iterable[str] = ("cudnorm", "kernel", "torch")) -> list[list[str]]:
     """Per op/direction, at widths 64-256 and >= 2^25 elements: each provider's bandwidth as a
     fraction of the copy's (copy ms / provider ms: issue 46's target >= 80%), median and worst."""
-    by_cell = defaultdict(dict)
-    for r in rows:
-        if 64 <= r["cols"] <= 256 and exponent(r) >= 25 and r.get("gpu_ms"):
-            by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r["gpu_ms"]
-    providers_ = [p for p in providers_ if any(p in got for got in by_cell.values())]
+    cells = by_cell([r for r in rows if 64 <= r["cols"] <= 256 and exponent(r) >= 25])
+    providers_ = [p for p in providers_ if any(p in got for got in cells.values())]
     lines = [["cells (N 64-256, >= 2^25 elements)", "count", *(f"{p} median / worst" for p in providers_)]]
     groups = defaultdict(lambda: defaultdict(list))
-    for (case, _, _), got in by_cell.items():
+    for (case, _, _), got in cells.items():
         for p in providers_:
             if "copy" in got and p in got:
-                groups[case][p].append(got["copy"] / got[p])
+                groups[case][p].append(got["copy"]["gpu_ms"] / got[p]["gpu_ms"])
     for case, got in sorted(groups.items()):
         lines.append([case, str(max(map(len, got.values())))] + [
             f"{statistics.median(got[p]):.0%} / {min(got[p]):.0%}" if got[p] else "-" for p in providers_])
@@ -133,12 +137,8 @@ def _left_cells(rows: list[dict]) -> list[tuple[float, dict, dict]]:
     """``(best / served GPU time, served row, best row)`` of every cell where a choice of the
     dispatcher's (:data:`CHOICES`) ran faster on the GPU than what served it by more than
     :data:`LEFT`, most left first."""
-    by_cell = defaultdict(dict)
-    for r in rows:
-        if r.get("gpu_ms"):
-            by_cell[(_case(r), r["cols"], r["rows"])][r["provider"]] = r
     out = []
-    for got in by_cell.values():
+    for got in by_cell(rows).values():
         served = got.get("cudnorm")
         timed = [got[p] for p in CHOICES if p in got]
         if served is None or not timed:
