@@ -20,6 +20,9 @@ Candidates:
   row counts where neither of the others reaches the memory bandwidth; launched from C++ on
   the native path (csrc/kernel.cpp), from Python without it.
 
+On the native path a plain norm's inference call is timed as a user's call runs: through the
+public function's C++ entry with the candidate forced (:func:`_through_entry`).
+
 An affine LayerNorm modulated per sample (op ``"modulated_layer_norm"``: diffusers'
 ``layer_norm(x, w, b) * (1 + scale) + shift`` with ``[N]`` weight and bias in the input's dtype,
 ``[B, N]`` scale and shift; the signature's weight is the scale's dtype, its bias the shift's):
@@ -63,6 +66,7 @@ _LN_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 _RMS_FORWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm", None), "default", None)
 _RMS_BACKWARD = getattr(getattr(torch.ops.aten, "_fused_rms_norm_backward", None), "default", None)
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "none"}
+_ENTRY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the native entry points serve
 
 
 class Signature(NamedTuple):
@@ -150,6 +154,27 @@ GATED = "gated_ada_layer_norm"
 _LAYER_NORM_MODULATED = (AFFINE_MODULATED, ADA_LAYER_NORM)
 
 
+def _through_entry(sig: Signature, x, weight, bias, eps, name: str):
+    """An inference closure of a plain LayerNorm/RMSNorm that calls the public function's C++
+    entry point (the native path) with candidate ``name`` forced, as a user's call served by
+    ``name`` runs: timed through its custom op called from Python instead, cuDNN was charged up
+    to 16 us more host time a call than a user's call on cuDNN pays (docs/performance.md, width
+    sweep). None where the native path is off, for a training call (its backward runs in
+    autograd's engine, not in the call), and where the entry would hand the call to Python."""
+    if (sig.training or sig.op not in ("layer_norm", "rms_norm") or not _entry.native or not x.is_cuda
+            or x.dtype not in _ENTRY_DTYPES or not x.numel()
+            or any(t is not None and t.dtype not in (x.dtype, _F32) for t in (weight, bias))):
+        return None
+    # detached: a weight that requires grad would make the entry record a training call
+    x, weight, bias = (None if t is None else t.detach() for t in (x, weight, bias))
+    code, n = _entry.SERVERS[name], [sig.cols]
+    if sig.op == "layer_norm":
+        call = _entry.layer_norm
+        return lambda: call(x, n, weight, bias, eps, code)
+    call = _entry.rms_norm
+    return lambda: call(x, n, weight, eps, 0.0, code)
+
+
 def _torch_supports(sig: Signature) -> bool:
     if sig.op in MODULATED:  # the fp32 formula takes every dtype
         return True
@@ -170,6 +195,9 @@ def _torch_prepare(sig: Signature, x, weight, bias, eps, dy=None):
         return _gated_prepare(sig, x, weight, bias, eps, dy, _gated.formula)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, dy, _ada_rms_torch_run)
+    as_called = _through_entry(sig, x, weight, bias, eps, "torch")
+    if as_called is not None:
+        return as_called
     n = [sig.cols]
     if sig.op == "layer_norm":
         mask = [True, weight is not None, bias is not None]
@@ -319,6 +347,9 @@ def _cudnn_prepare(sig: Signature, x, weight, bias, eps, dy=None):
         return _modulated_prepare(sig, x, weight, bias, eps, dy, _modulated_fold)
     if sig.op == ADA_LAYER_NORM:
         return _modulated_prepare(sig, x, weight, bias, eps, dy, _ada_cudnn)
+    as_called = _through_entry(sig, x, weight, bias, eps, "cudnn")
+    if as_called is not None:
+        return as_called
     ops = torch.ops.cudnorm
     if sig.op == "layer_norm":
         if not sig.training:
@@ -360,6 +391,9 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps, dy=None):
         return _modulated_prepare(sig, x, weight, bias, eps, dy, _modulated_rms_kernel)
     if sig.op in MODULATED:
         return _ada_rms_prepare(sig, x, weight, bias, eps, dy, _ada_rms_kernel_run)
+    as_called = _through_entry(sig, x, weight, bias, eps, "kernel")
+    if as_called is not None:
+        return as_called
     rms = sig.op == "rms_norm"
     if _entry.native and x.is_cuda:  # launched from C++ as a real call is (csrc/kernel.cpp)
         ops = torch.ops.cudnorm_native
@@ -393,8 +427,10 @@ def _kernel_prepare(sig: Signature, x, weight, bias, eps, dy=None):
 # the two timings' spreads is settled in paired rounds, where before it kept PyTorch's op:
 # decisions stored by revision 5 would keep such signatures on PyTorch's op for good; 7: a
 # training call's backward takes a gradient of its own (:func:`gradient`), not the input, which
-# L2 served half of to PyTorch's backward).
-REVISION = 7
+# L2 served half of to PyTorch's backward; 8: on the native path an inference call's candidates
+# run through the public function's C++ entry with the candidate forced (:func:`_through_entry`),
+# charged the host time a user's call pays, cuDNN's up to 16 us less than through its custom op).
+REVISION = 8
 # candidate -> the revision in which it last changed what its measurement finds: a prior written
 # at an earlier revision (``cudnorm/priors/``, key ``candidates_revision``, 1 where absent) does
 # not stand for it (its kernel timings there include the Python launch's host time). Revision 3
@@ -405,7 +441,8 @@ REVISION = 7
 # only the modulated ops, which no prior holds (the sweep writes LayerNorm and RMSNorm cells).
 # Revision 6 changed the rule that reads the timings, not the timings. Revision 7 changed every
 # training timing by at most a quarter (PyTorch's backward most), far inside the prior's 2x cliff
-# screen (``_decisions.PRIOR_CLIFF``): a prior of revision 5 stands.
+# screen (``_decisions.PRIOR_CLIFF``): a prior of revision 5 stands. Revision 8 changed only
+# inference closures' host time, not their GPU time, which is what a prior screens by.
 CHANGED_IN = {"kernel": 2}
 
 # The order is the preference among equals: PyTorch's op first (the reference a candidate has

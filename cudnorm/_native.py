@@ -612,14 +612,11 @@ def _resolve_gated_backward(h2: torch.Tensor, ints, floats) -> list[int]:
     return _recipe(PYTHON) if kernel is None else _recipe(KERNEL, dtype, kernel=(*kernel, 0, 0))
 
 
-_SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}  # Server in cudnorm/csrc/native.h
-
-
 def _serve(op: str, input: torch.Tensor, cols: int, weight, bias, training: bool) -> list[int]:
     """``[server, kept]`` for a call signature C++'s decision table lacks (decisions.cpp):
     :func:`cudnorm._decisions.server`'s answer, and whether C++ may keep it."""
     choice, kept = _decisions.server_kept(op, input, cols, weight, bias, training)
-    return [_SERVERS[choice], int(kept)]
+    return [_entry.SERVERS[choice], int(kept)]
 
 
 _RESOLVERS = {"norm_fwd": _resolve_norm_forward, "norm_bwd": _resolve_norm_backward,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _candidates, _decisions, _plan_store, _runtime
+from cudnorm import _candidates, _decisions, _entry, _plan_store, _runtime
 from cudnorm._candidates import Signature, Timing
 from cudnorm._plan_store import PlanStore
 
@@ -222,6 +222,34 @@ def test_training_closures_take_a_gradient_of_their_own(op, monkeypatch):
             assert not set(grads) & set(inputs), (name, "a gradient shares an autograd leaf's memory")
     assert ran, "PyTorch's candidate at least runs on a CPU"
     assert torch.equal(torch.get_rng_state(), rng), "a measurement drew from the caller's random numbers"
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_inference_closures_call_the_entry_with_their_candidate(op, monkeypatch):
+    """On the native path a plain norm's inference closure calls the public function's C++ entry
+    point with its candidate's server code (the host time a user's call pays, not a custom op's
+    from Python), on detached tensors; a training call, and a call the entry would hand back to
+    Python (weights of a third dtype), keep the closures that call the ops."""
+    calls = []
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, op, lambda *args: calls.append(args))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the entry takes CUDA calls
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(64, dtype=torch.bfloat16) if op == "layer_norm" else None
+    sig = _candidates.signature(op, False, x, w, b, 64)
+    for name, code in _entry.SERVERS.items():
+        calls.clear()
+        _candidates.CANDIDATES[name].prepare(sig, x, w, b, 1e-5)()
+        (args,) = calls
+        assert args[-1] == code and args[1] == [64]
+        assert torch.equal(args[0], x) and not args[2].requires_grad
+    assert _candidates._through_entry(sig._replace(training=True), x, w, b, 1e-5, "torch") is None
+    w16 = w.detach().half()
+    sig16 = _candidates.signature(op, False, x, w16, b, 64)
+    assert _candidates._through_entry(sig16, x, w16, b, 1e-5, "torch") is None
+    monkeypatch.setattr(_entry, "native", False)
+    assert _candidates._through_entry(sig, x, w, b, 1e-5, "torch") is None
 
 
 def test_time_closures_keeps_each_rounds_gpu_time(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cudnorm
-from cudnorm import _candidates, _decisions, _native, _plan_store
+from cudnorm import _candidates, _decisions, _native
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -79,6 +79,41 @@ def test_every_candidate_passes_the_reference_rule(name, op, cols):
         # PyTorch sums bf16 dW in fp32 and rounds once, as every candidate does: 2x its error, with a floor
         # for the cases where its error is ~0 (an exactly representable result)
         assert a <= 2 * t + 1e-3, f"{name} {op} {cols}: {what} error {a:.3g} vs PyTorch's {t:.3g}"
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_inference_closures_serve_their_candidate_through_the_entry(op):
+    """On the native path an inference candidate's closure calls the public function's C++ entry
+    with that candidate forced (``_candidates._through_entry``): with the signature decided for
+    PyTorch's op, each closure returns bit for bit what the public call returns when its
+    candidate serves, so each is timed as a user's call on it runs."""
+    from cudnorm import _entry
+    cols, rows = 1152, 4096
+    x = torch.randn(rows, cols, device="cuda", dtype=BF16)
+    weight = (1 + 0.1 * torch.randn(cols, device="cuda")).to(BF16)
+    bias = (0.1 * torch.randn(cols, device="cuda")).to(BF16) if op == "layer_norm" else None
+
+    def public():
+        with torch.no_grad():
+            if op == "layer_norm":
+                return cudnorm.layer_norm(x, (cols,), weight, bias, 1e-5)
+            return cudnorm.rms_norm(x, (cols,), weight, 1e-5)
+    public()
+    if not _entry.native:
+        pytest.skip("the native path is off: closures call the custom ops")
+    sig = _candidates.signature(op, False, x, weight, bias, cols)
+    names = [n for n in ("torch", "cudnn", "kernel") if _candidates.CANDIDATES[n].supports(sig)]
+    served = {}
+    for name in names:
+        _force(op, x, weight, bias, False, name)
+        served[name] = public()
+    _force(op, x, weight, bias, False, "torch")
+    with torch.no_grad():
+        timed = {n: _candidates.CANDIDATES[n].prepare(sig, x, weight, bias, 1e-5)() for n in names}
+    for name in names:
+        assert torch.equal(timed[name], served[name]), name
+    # the check above tells servers apart only where their outputs differ
+    assert any(not torch.equal(served[n], served["torch"]) for n in names if n != "torch"), names
 
 
 def test_first_call_measures_and_later_calls_reuse(tmp_path):

@@ -36,7 +36,15 @@ uint64_t decisions_generation = 0;
 
 int64_t bit_length(int64_t v) { return v > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(v)) : 0; }
 
+thread_local std::optional<Server> forced;
+
 }  // namespace
+
+std::optional<Server> forced_server() { return forced; }
+
+ServeAs::ServeAs(std::optional<Server> server) : previous_(forced) { forced = server; }
+
+ServeAs::~ServeAs() { forced = previous_; }
 
 Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
                   const OptTensor& bias) {

@@ -75,8 +75,10 @@ bool same_as_input(const Tensor& input, const Tensor& other) {
 // threshold of elements run PyTorch's own op; under "auto" every larger call takes the
 // measured decision of its signature (an RMSNorm with a weight offset is not measured: cuDNN
 // adds the offset inside its graph, the other candidates do not take one); under "cudnn" cuDNN serves.
+// A server a measurement forces (ServeAs) comes first.
 Server serve(bool rms, bool training, const Tensor& input, int64_t n, const OptTensor& weight, const OptTensor& bias,
              bool measurable = true) {
+  if (const auto server = forced_server()) return *server;
   const Settings& s = settings();
   if (!s.policy_auto) return Server::Cudnn;
   const bool same = (!defined(weight) || weight->scalar_type() == input.scalar_type()) &&

@@ -146,6 +146,21 @@ enum class MeasuredOp : int64_t {
 Server server_for(MeasuredOp op, bool training, const Tensor& input, int64_t n, const OptTensor& weight,
                   const OptTensor& bias);
 void clear_decisions();
+// The server a measurement forces on this thread's plain LayerNorm/RMSNorm entry calls, which
+// the entries' kernel policy takes before any rule or decision: cudnorm._candidates times each
+// candidate through the entry a user's call takes, so each is charged the host time that call
+// pays (a custom op called from Python cost up to 16 us more). Set for one call by ServeAs.
+std::optional<Server> forced_server();
+class ServeAs {
+ public:
+  explicit ServeAs(std::optional<Server> server);
+  ~ServeAs();
+  ServeAs(const ServeAs&) = delete;
+  ServeAs& operator=(const ServeAs&) = delete;
+
+ private:
+  std::optional<Server> previous_;
+};
 
 // cudnorm's Python implementation of an op or an entry point (cudnorm._native): the fallbacks.
 // kernel_py runs below autograd (CompositeExplicitAutograd), composite_py above it

@@ -94,28 +94,47 @@ auto unlocked(F f) {
   }
 }
 
-// layer_norm(input, normalized_shape, weight, bias, eps)
+// A plain norm's optional last argument: the server a measurement forces (cudnorm._candidates,
+// codes as cudnorm._entry.SERVERS), else the call's own policy and decision.
+std::optional<cudnorm::Server> forced(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t plain) {
+  if (nargs != plain && nargs != plain + 1) bad("wrong number of arguments");
+  if (nargs == plain) return std::nullopt;
+  PyObject* code = args[plain];
+  const long value = integer(code) ? PyLong_AsLong(code) : -1;
+  if (value < static_cast<long>(cudnorm::Server::Cudnn) || value > static_cast<long>(cudnorm::Server::Kernel)) {
+    bad("expected a server code");
+  }
+  return static_cast<cudnorm::Server>(value);
+}
+
+// layer_norm(input, normalized_shape, weight, bias, eps[, server])
 PyObject* layer_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  arity(nargs, 5);
+  const auto server = forced(args, nargs, 5);
   Tensor input = tensor(args[0]);
   auto dims = shape(args[1]);
   OptTensor weight = optional_tensor(args[2]), bias = optional_tensor(args[3]);
   double eps = number(args[4]);
-  return wrap(unlocked([&] { return cudnorm::layer_norm_entry(input, dims, weight, bias, eps); }));
+  return wrap(unlocked([&] {
+    cudnorm::ServeAs as(server);
+    return cudnorm::layer_norm_entry(input, dims, weight, bias, eps);
+  }));
   END_HANDLE_TH_ERRORS
 }
 
-// rms_norm(input, normalized_shape, weight, eps or None, weight_offset)
+// rms_norm(input, normalized_shape, weight, eps or None, weight_offset[, server])
 PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  arity(nargs, 5);
+  const auto server = forced(args, nargs, 5);
   Tensor input = tensor(args[0]);
   auto dims = shape(args[1]);
   OptTensor weight = optional_tensor(args[2]);
   auto eps = optional_number(args[3]);
   double offset = number(args[4]);
-  return wrap(unlocked([&] { return cudnorm::rms_norm_entry(input, dims, weight, eps, offset); }));
+  return wrap(unlocked([&] {
+    cudnorm::ServeAs as(server);
+    return cudnorm::rms_norm_entry(input, dims, weight, eps, offset);
+  }));
   END_HANDLE_TH_ERRORS
 }
 
