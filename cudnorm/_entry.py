@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 native = False  # the entry points below are the native path's
+pending = True  # the native path has not been tried in this process (nor switched off)
 # the codes of the kernels that serve a call (Server in cudnorm/csrc/native.h): C++'s decision
 # table holds them, and a measurement passes one to the plain norms' entry points to force it
 SERVERS = {"cudnn": 0, "torch": 1, "kernel": 2}
-pending = True  # the native path has not been tried in this process (nor switched off)
 
 # the native entry points (functions of the native library's Python module, which call
 # cudnorm::*_entry's C++ directly), set by cudnorm._native
