@@ -35,24 +35,28 @@ def _force(op, x, weight, bias, training, name):
 
 
 def _errors(op, x, weight, bias, dy):
-    """Relative errors of y, dx, dw against fp64, for cudnorm's call and PyTorch's own."""
+    """Relative errors of y, dx and (with a weight) dw against fp64, for cudnorm's call and
+    PyTorch's own."""
     def run(fn, xx, ww, bb):
-        xx, ww = xx.detach().requires_grad_(), ww.detach().requires_grad_()
-        bb = None if bb is None else bb.detach().requires_grad_()
+        xx = xx.detach().requires_grad_()
+        ww, bb = (None if t is None else t.detach().requires_grad_() for t in (ww, bb))
         y = fn(xx, ww, bb)
         y.backward(dy.to(y.dtype))
-        return [y, xx.grad, ww.grad]
+        return [y, xx.grad] + ([] if ww is None else [ww.grad])
+
+    def double(t):
+        return None if t is None else t.double()
 
     n = (x.shape[-1],)
     if op == "layer_norm":
         ours = run(lambda a, w, b: cudnorm.layer_norm(a, n, w, b), x, weight, bias)
         theirs = run(lambda a, w, b: torch.nn.functional.layer_norm(a, n, w, b), x, weight, bias)
-        ref = run(lambda a, w, b: torch.nn.functional.layer_norm(a, n, w, b), x.double(), weight.double(),
-                  bias.double())
+        ref = run(lambda a, w, b: torch.nn.functional.layer_norm(a, n, w, b), x.double(), double(weight),
+                  double(bias))
     else:
         ours = run(lambda a, w, b: cudnorm.rms_norm(a, n, w, 1e-5), x, weight, None)
         theirs = run(lambda a, w, b: torch.nn.functional.rms_norm(a, n, w, 1e-5), x, weight, None)
-        ref = run(lambda a, w, b: torch.nn.functional.rms_norm(a, n, w, 1e-5), x.double(), weight.double(), None)
+        ref = run(lambda a, w, b: torch.nn.functional.rms_norm(a, n, w, 1e-5), x.double(), double(weight), None)
 
     def rel(a, r):
         return ((a.double() - r).norm() / r.norm()).item()
@@ -61,12 +65,13 @@ def _errors(op, x, weight, bias, dy):
 
 @pytest.mark.parametrize("name", ["torch", "cudnn", "kernel"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "bare"])  # bare: the norm inside adaptive norms
 @pytest.mark.parametrize("cols", WIDTHS)
-def test_every_candidate_passes_the_reference_rule(name, op, cols):
+def test_every_candidate_passes_the_reference_rule(name, op, affine, cols):
     rows = max(4096, (1 << 21) // cols)
     x = torch.randn(rows, cols, device="cuda", dtype=BF16)
-    weight = (1 + 0.1 * torch.randn(cols, device="cuda")).to(BF16)
-    bias = (0.1 * torch.randn(cols, device="cuda")).to(BF16) if op == "layer_norm" else None
+    weight = (1 + 0.1 * torch.randn(cols, device="cuda")).to(BF16) if affine else None
+    bias = (0.1 * torch.randn(cols, device="cuda")).to(BF16) if affine and op == "layer_norm" else None
     sig = _candidates.signature(op, True, x, weight, bias, cols)
     if not _candidates.CANDIDATES[name].supports(sig):
         pytest.skip(f"{name} does not serve {sig.key()}")
