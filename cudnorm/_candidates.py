@@ -154,15 +154,27 @@ GATED = "gated_ada_layer_norm"
 _LAYER_NORM_MODULATED = (AFFINE_MODULATED, ADA_LAYER_NORM)
 
 
+_MODE_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in ("Python", "PythonTLSSnapshot", "FuncTorchDynamicLayerFrontMode"))
+
+
+def _dispatch_modes() -> bool:
+    """Whether a Python dispatch mode or a functorch transform is active on this thread (the
+    native entry points then hand every call to Python)."""
+    included = torch._C._dispatch_tls_local_include_set()
+    return any(included.has(k) for k in _MODE_KEYS)
+
+
 def _through_entry(sig: Signature, x, weight, bias, eps, name: str):
     """An inference closure of a plain LayerNorm/RMSNorm that calls the public function's C++
     entry point (the native path) with candidate ``name`` forced, as a user's call served by
     ``name`` runs: timed through its custom op called from Python instead, cuDNN was charged up
     to 16 us more host time a call than a user's call on cuDNN pays (docs/performance.md, width
     sweep). None where the native path is off, for a training call (its backward runs in
-    autograd's engine, not in the call), and where the entry would hand the call to Python."""
+    autograd's engine, not in the call), and where the entry would hand the call to Python
+    (which would ask for the decision being measured): under a Python dispatch mode or
+    functorch's transforms, as ``no_dispatch_modes`` in csrc/launch.cpp."""
     if (sig.training or sig.op not in ("layer_norm", "rms_norm") or not _entry.native or not x.is_cuda
-            or x.dtype not in _ENTRY_DTYPES or not x.numel()
+            or x.dtype not in _ENTRY_DTYPES or not x.numel() or _dispatch_modes()
             or any(t is not None and t.dtype not in (x.dtype, _F32) for t in (weight, bias))):
         return None
     # detached: a weight that requires grad would make the entry record a training call

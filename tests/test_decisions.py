@@ -260,7 +260,7 @@ def test_inference_closures_call_the_entry_with_their_candidate(op, monkeypatch)
     """On the native path a plain norm's inference closure calls the public function's C++ entry
     point with its candidate's server code (the host time a user's call pays, not a custom op's
     from Python), on detached tensors; a training call, and a call the entry would hand back to
-    Python (weights of a third dtype), keep the closures that call the ops."""
+    Python (weights of a third dtype, a dispatch mode active), keep the closures that call the ops."""
     calls = []
     monkeypatch.setattr(_entry, "native", True)
     monkeypatch.setattr(_entry, op, lambda *args: calls.append(args))
@@ -279,6 +279,8 @@ def test_inference_closures_call_the_entry_with_their_candidate(op, monkeypatch)
     w16 = w.detach().half()
     sig16 = _candidates.signature(op, False, x, w16, b, 64)
     assert _candidates._through_entry(sig16, x, w16, b, 1e-5, "torch") is None
+    with _SharedBackwardArgs():  # under a dispatch mode the entry would hand the call to Python, which
+        assert _candidates._through_entry(sig, x, w, b, 1e-5, "torch") is None  # would measure it again
     monkeypatch.setattr(_entry, "native", False)
     assert _candidates._through_entry(sig, x, w, b, 1e-5, "torch") is None
 

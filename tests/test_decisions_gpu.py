@@ -119,6 +119,13 @@ def test_inference_closures_serve_their_candidate_through_the_entry(op):
         assert torch.equal(timed[name], served[name]), name
     # the check above tells servers apart only where their outputs differ
     assert any(not torch.equal(served[n], served["torch"]) for n in names if n != "torch"), names
+    # a forced call the entry would hand to Python (float64) raises: Python would measure it again
+    code = _entry.SERVERS["cudnn"]
+    with pytest.raises(RuntimeError, match="left the native path"):
+        if op == "layer_norm":
+            _entry.layer_norm(x.double(), [cols], None, None, 1e-5, code)
+        else:
+            _entry.rms_norm(x.double(), [cols], None, 1e-5, 0.0, code)
 
 
 def test_first_call_measures_and_later_calls_reuse(tmp_path):

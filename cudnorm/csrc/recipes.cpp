@@ -185,6 +185,9 @@ std::vector<Tensor> kernel_py(const std::string& name, const std::vector<OptTens
 
 std::vector<Tensor> composite_py(const std::string& name, const std::vector<OptTensor>& tensors,
                                  const std::vector<double>& scalars, c10::SymIntArrayRef shape) {
+  // a measurement times a candidate through its entry point (ServeAs): handed to Python, the call
+  // would ask for the very decision being measured and measure again
+  TORCH_CHECK(!forced_server().has_value(), "cudnorm: a measured candidate's call left the native path (", name, ")");
   static auto op = python_op("cudnorm::_composite_py")
                        .typed<std::vector<Tensor>(c10::string_view, const c10::List<OptTensor>&,
                                                   c10::ArrayRef<double>, c10::SymIntArrayRef)>();
