@@ -4,6 +4,7 @@ on a CPU, the redraw from its CSV, and the prior's keys."""
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 
 import pytest
@@ -239,3 +240,23 @@ def test_against_compares_two_sweep_csvs(tmp_path, capsys):
     other.write_text("op,provider\nln_fwd,torch\n")
     assert cli.main(["bench", "--from-csv", str(other), "--against", old]) == 2
     assert "is not a sweep.csv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_the_kernel_column_runs_as_a_call_the_dispatcher_gives_it(op, monkeypatch):
+    """On the native path the sweep times cudnorm's kernel through the public function's C++ entry
+    with the kernel forced (what a user's call it serves runs), not its Python autograd function."""
+    from cudnorm import _entry
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_entry, "native", True)
+    monkeypatch.setattr(_entry, op, lambda *args: calls.append(args))
+    cell = sweep.Cell(op, "train", torch.bfloat16, torch.bfloat16, op == "layer_norm", 128, 64)
+    x, w = torch.randn(64, 128), torch.randn(128)
+    sweep._functional(cell, "kernel")(x, w, w if cell.bias else None)
+    (args,) = calls
+    assert args[0] is x and args[1] == [128] and args[-1] == _entry.SERVERS["kernel"]
+    monkeypatch.setattr(_entry, "native", False)
+    monkeypatch.setattr(_entry, "pending", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert isinstance(sweep._functional(cell, "kernel"), functools.partial)  # its Python autograd function
