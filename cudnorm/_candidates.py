@@ -50,6 +50,7 @@ of the input) has diffusers' formula in PyTorch's ops and, as ``kernel``, cudnor
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -58,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ada_kernel, _ada_rms, _entry, _gated, _norm_kernel, _token_ada
+from . import _ada_kernel, _ada_rms, _entry, _gated, _norm_kernel, _sleep_timing, _token_ada
 
 _F32 = torch.float32
 _LN_FORWARD = torch.ops.aten.native_layer_norm.default
@@ -511,14 +512,24 @@ CLIFF = 3.0
 def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float = BUDGET_MS,
                   rounds: int = ROUNDS, device=None, errors: dict | None = None,
                   cost: dict | None = None) -> dict[str, Timing]:
-    """Time each closure on the current CUDA stream: one untimed call (builds, compiles,
+    """Time each closure on ``device``'s current CUDA stream: one untimed call (builds, compiles,
     caches), two timed calls (the faster screens out cliffs), then ``rounds`` interleaved rounds
     of as many calls as fit the budget; events around each round give its time per call.
     Closures that fail on their first call are left out of the result (and named in ``errors``
     with what they raised). ``cost`` gets the wall ms of the untimed first calls (``"first"``:
     loading each candidate's kernels, which a call pays for its own kernel anyway) and of the
     timed ones (``"timing"``: what measuring costs)."""
-    stream = torch.cuda.current_stream(device)
+    with _on(device):
+        return _time_closures(closures, budget_ms, rounds, torch.cuda.current_stream(device), errors, cost)
+
+
+def _on(device):
+    """``device`` made current (the GPU sleep and the events of :func:`_elapsed_ms` go to the
+    current device's stream, where the closures' kernels go); nothing where ``device`` is None."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def _time_closures(closures, budget_ms, rounds, stream, errors, cost) -> dict[str, Timing]:
     began = time.perf_counter()
     alive = {}
     for name, fn in closures.items():
@@ -536,7 +547,7 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     if not alive:
         return {}
     hosts: dict = {}
-    first = {name: min(_elapsed_ms(fn, 1, stream, hosts), _elapsed_ms(fn, 1, stream, hosts))
+    first = {name: min(_elapsed_ms(fn, 1, hosts), _elapsed_ms(fn, 1, hosts))
              for name, fn in alive.items()}
     best = min(first.values())
     out = {name: Timing(ms, 0.0, 1) for name, ms in first.items() if ms > CLIFF * best}
@@ -547,7 +558,7 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     gpu = {name: [] for name in timed}
     for _ in range(rounds):
         for name, fn in timed.items():
-            samples[name].append(_elapsed_ms(fn, reps[name], stream, hosts))
+            samples[name].append(_elapsed_ms(fn, reps[name], hosts))
             gpu[name].append(samples[name][-1] - hosts[fn])
     for name, values in samples.items():
         out[name] = Timing.of(values, gpu[name])
@@ -556,32 +567,24 @@ def time_closures(closures: dict[str, Callable[[], object]], *, budget_ms: float
     return out
 
 
-# GPU clock cycles per ms for torch.cuda._sleep (about the H100's and H200's boost clock): the
-# sleep only has to outlast the host's enqueueing, so overshooting costs a little GPU time
-_SLEEP_CYCLES_PER_MS = 2.0e6
+def _elapsed_ms(fn, reps: int, hosts: dict) -> float:
+    """ms per call of ``fn`` over ``reps`` back-to-back calls: its GPU time (between events,
+    behind a GPU sleep that covers the host's enqueueing: :func:`cudnorm._sleep_timing.timed_burst`)
+    plus its host time per call. A step bound by its GPU pays a norm's GPU time, one bound by its
+    host pays its host time, and a candidate cannot know which step calls it: charged both, cuDNN
+    (whose execute costs more host time than PyTorch's launch) or cudnorm's kernel replaces
+    PyTorch's op only where it saves more GPU time than it adds host time, so a host-bound step
+    does not lose what a GPU-bound one gains (docs/performance.md, Decisions). ``hosts``: host
+    ms per call of each closure seen last, which sizes its next sleep."""
 
+    def burst():
+        for _ in range(reps):
+            fn()
 
-def _elapsed_ms(fn, reps: int, stream, hosts: dict) -> float:
-    """ms per call of ``fn`` over ``reps`` back-to-back calls: its GPU time (between events, with
-    a GPU sleep queued first so that the host's enqueueing does not show) plus its host time
-    per call. A step bound by its GPU pays a norm's GPU time, one bound by its host pays its
-    host time, and a candidate cannot know which step calls it: charged both, cuDNN (whose
-    execute costs more host time than PyTorch's launch) or cudnorm's kernel replaces PyTorch's
-    op only where it saves more GPU time than it adds host time, so a host-bound step does not
-    lose what a GPU-bound one gains (docs/performance.md, Decisions). ``hosts``: host ms per
-    call of each closure seen last, which sizes its next sleep."""
-    host_guess = hosts.get(fn, 0.2)
-    torch.cuda._sleep(int(_SLEEP_CYCLES_PER_MS * (1.5 * host_guess * reps + 0.02)))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    began = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host = (time.perf_counter() - began) * 1e3 / reps
-    end.record(stream)
-    end.synchronize()
+    timed = _sleep_timing.timed_burst(burst, hosts.get(fn, 0.2) * reps)
+    host = timed.host_ms / reps
     hosts[fn] = host
-    return start.elapsed_time(end) / reps + host
+    return timed.gpu_ms / reps + host
 
 
 # cuDNN (or cudnorm's kernel) replaces PyTorch's op only where it is faster by more than the
@@ -651,7 +654,6 @@ def settle(closures: dict[str, Callable[[], object]], timings: dict[str, Timing]
     if contender is None:
         return timings
     began = time.perf_counter()
-    stream = torch.cuda.current_stream(device)
     base_ms = timings[baseline].ms
     ahead = [name for name, t in _eligible(timings, baseline).items()
              if name not in (contender, baseline) and 0 < t.ms and base_ms / t.ms - 1.0 > MIN_GAIN]
@@ -661,10 +663,11 @@ def settle(closures: dict[str, Callable[[], object]], timings: dict[str, Timing]
     samples = {name: list(timings[name].samples) for name in pair}
     gpu = {name: list(timings[name].gpu_samples) for name in pair}
     hosts: dict = {}
-    for r in range(SETTLE_ROUNDS):
-        for name in pair if r % 2 else pair[::-1]:
-            samples[name].append(_elapsed_ms(closures[name], reps[name], stream, hosts))
-            gpu[name].append(samples[name][-1] - hosts[closures[name]])
+    with _on(device):
+        for r in range(SETTLE_ROUNDS):
+            for name in pair if r % 2 else pair[::-1]:
+                samples[name].append(_elapsed_ms(closures[name], reps[name], hosts))
+                gpu[name].append(samples[name][-1] - hosts[closures[name]])
     if cost is not None:
         cost["settle"] = round((time.perf_counter() - began) * 1e3, 2)
     return {**timings, **{name: Timing.of(values, gpu[name]) for name, values in samples.items()}}

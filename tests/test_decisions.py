@@ -93,6 +93,9 @@ class _FakeEvent:
     def synchronize(self):
         pass
 
+    def query(self):  # the GPU sleep outlasted the host's enqueueing
+        return False
+
     def elapsed_time(self, end):
         return (end.calls - self.calls) * _FakeEvent.gpu_ms["per_call"]
 
@@ -116,14 +119,14 @@ def test_candidates_are_charged_gpu_plus_host_time(monkeypatch):
     _FakeEvent.gpu_ms.update(calls=0, per_call=0.0)
     hosts = {}
     fast_gpu_slow_host = _fake_closure(0.030, 0.400)  # saves 20 us of GPU, costs 390 us more host
-    ms = _candidates._elapsed_ms(fast_gpu_slow_host, 3, None, hosts)
+    ms = _candidates._elapsed_ms(fast_gpu_slow_host, 3, hosts)
     assert ms == pytest.approx(0.030 + hosts[fast_gpu_slow_host], rel=1e-6)
     assert hosts[fast_gpu_slow_host] >= 0.4
-    timings = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(0.050, 0.010), 3, None, hosts), 0.0, 3),
+    timings = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(0.050, 0.010), 3, hosts), 0.0, 3),
                "cudnn": Timing(ms, 0.0, 3)}
     assert _candidates.winner(timings) == "torch"
-    big = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(2.0, 0.010), 3, None, hosts), 0.0, 3),
-           "cudnn": Timing(_candidates._elapsed_ms(_fake_closure(1.0, 0.030), 3, None, hosts), 0.0, 3)}
+    big = {"torch": Timing(_candidates._elapsed_ms(_fake_closure(2.0, 0.010), 3, hosts), 0.0, 3),
+           "cudnn": Timing(_candidates._elapsed_ms(_fake_closure(1.0, 0.030), 3, hosts), 0.0, 3)}
     assert _candidates.winner(big) == "cudnn", "a GPU saving larger than the host cost wins"
 
 
@@ -136,7 +139,7 @@ def test_settle_times_the_leader_and_the_baseline_again(monkeypatch):
     names = {id(fn): name for name, fn in closures.items()}
     order = []
 
-    def elapsed(fn, reps, stream, hosts):
+    def elapsed(fn, reps, hosts):
         order.append(names[id(fn)])
         hosts[fn] = 0.0  # as _elapsed_ms keeps each closure's host ms
         return ms[names[id(fn)]]
@@ -167,7 +170,7 @@ def test_settle_times_every_candidate_ahead_with_the_leader(monkeypatch):
     names = {id(fn): name for name, fn in closures.items()}
     timed = []
 
-    def elapsed(fn, reps, stream, hosts):
+    def elapsed(fn, reps, hosts):
         timed.append(names[id(fn)])
         hosts[fn] = 0.0
         return next(rounds[names[id(fn)]])

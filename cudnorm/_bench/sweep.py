@@ -10,8 +10,10 @@ outgrow the L2 cache at small sizes).
 
 Timing (:func:`time_calls`): each round enqueues a GPU sleep long enough to cover the host's
 enqueueing, then the calls between two CUDA events, so the event time is the GPU's work even
-where the host is slower than the kernels; ``host_us`` is ``perf_counter`` around the enqueue
-loop. Both are medians over :data:`ROUNDS` rounds. On a CPU both are ``perf_counter`` times.
+where the host is slower than the kernels; a round the host outlasted the sleep of is timed
+again behind a longer one, and rounds it outlasted even so are counted (``uncovered``).
+``host_us`` is ``perf_counter`` around the enqueue loop. Both are medians over :data:`ROUNDS`
+rounds. On a CPU both are ``perf_counter`` times.
 
 Before timing, worker processes build the grid's cuDNN plans into the plan store and compile
 cudnorm's Triton kernels into Triton's cache (:func:`_prepare_job`; builds are CPU-bound, 0.1-1.4 s
@@ -43,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import _candidates, _entry, _norm_kernel, _settings
+from .. import _candidates, _entry, _norm_kernel, _settings, _sleep_timing
 from .._progress import progress
 from . import providers, report, runner
 
@@ -72,7 +74,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 # "copy": the bytes the cell's norm must move, moved by PyTorch's copy/add (the bandwidth bound)
 PROVIDERS = ("torch", "cudnorm", "cudnn", "kernel", "liger", "quack", "copy", "torch-again")
 COLUMNS = ("op", "direction", "dtype", "weight_dtype", "bias", "cols", "rows", "elements", "provider",
-           "gpu_ms", "host_us", "ratio_vs_torch", "serves", "decision", "measure_ms", "error")
+           "gpu_ms", "host_us", "uncovered", "ratio_vs_torch", "serves", "decision", "measure_ms", "error")
 EPS = 1e-5
 ROUNDS = 3
 MAX_PASSES = 4  # passes over the input sets per round, for cells whose calls take microseconds
@@ -81,7 +83,6 @@ ROTATION_BYTES = 96 << 20  # the input sets together: about twice an H100's L2 c
 MAX_SETS = 16
 PRIOR_BUDGET_MS = 20.0  # per signature, for the prior's candidates (the dispatcher's own: BUDGET_MS)
 STORE_MB = 8192
-SLEEP_CYCLES_PER_MS = 2.0e6  # ~ the GPU clock; sleeping longer only costs GPU time
 
 
 @dataclass(frozen=True)
@@ -338,10 +339,14 @@ def provider_calls(name: str, cell: Cell, sets: Sets) -> list[Callable]:
 
 # -- timing --------------------------------------------------------------------------------------
 
-def time_calls(calls: list[Callable], device: str) -> tuple[float, float]:
-    """``(gpu ms, host us)`` per call: medians over :data:`ROUNDS` rounds of passes over
-    ``calls`` (one per input set) after two untimed passes (builds, compiles, decisions; then
-    the host-time estimate that sizes each round's leading GPU sleep)."""
+def time_calls(calls: list[Callable], device: str) -> tuple[float, float, int]:
+    """``(gpu ms, host us, uncovered)`` per call: medians over :data:`ROUNDS` rounds of passes
+    over ``calls`` (one per input set) after two untimed passes (builds, compiles, decisions;
+    then the host-time estimate that sizes each round's leading GPU sleep). On a GPU each round
+    is a :func:`cudnorm._sleep_timing.timed_burst` (timed again where the host outlasted the
+    sleep); ``uncovered``: rounds whose sleep the host outlasted even so, whose GPU time may
+    include waits on the host (an H200's bare RMSNorm training cell read 0.51x so, host time
+    3x its usual)."""
     cuda = device != "cpu"
     for fn in calls:
         fn()
@@ -354,24 +359,24 @@ def time_calls(calls: list[Callable], device: str) -> tuple[float, float]:
     wall_ms = (time.perf_counter() - start) * 1e3 / len(calls)
     passes = max(1, min(MAX_PASSES, int(ROUND_MS / max(wall_ms * len(calls), 1e-6))))
     order = calls * passes
-    gpu, host = [], []
-    for _ in range(ROUNDS):
-        if cuda:
-            torch.cuda._sleep(int(SLEEP_CYCLES_PER_MS * (1.5 * host_ms * len(order) + 0.05)))
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        start = time.perf_counter()
+
+    def burst():
         for fn in order:
             fn()
-        enqueued = time.perf_counter() - start
+
+    gpu, host, uncovered = [], [], 0
+    for _ in range(ROUNDS):
         if cuda:
-            end.record()
-            end.synchronize()
-            gpu.append(begin.elapsed_time(end) / len(order))
+            timed = _sleep_timing.timed_burst(burst, host_ms * len(order))
+            gpu.append(timed.gpu_ms / len(order))
+            host.append(timed.host_ms * 1e3 / len(order))
+            uncovered += not timed.covered
         else:
-            gpu.append(enqueued * 1e3 / len(order))
-        host.append(enqueued * 1e6 / len(order))
-    return statistics.median(gpu), statistics.median(host)
+            start = time.perf_counter()
+            burst()
+            gpu.append((time.perf_counter() - start) * 1e3 / len(order))
+            host.append(gpu[-1] * 1e3)
+    return statistics.median(gpu), statistics.median(host), uncovered
 
 
 def _sync(cuda: bool) -> None:
@@ -407,7 +412,7 @@ def run_cell(cell: Cell, names: list[str], device: str, prior: dict | None) -> l
             with _settings.config(policy="cudnn") if name == "cudnn" else contextlib.nullcontext(), \
                     torch.set_grad_enabled(cell.training):
                 calls = provider_calls(name, cell, sets)
-                row["gpu_ms"], row["host_us"] = time_calls(calls, device)
+                row["gpu_ms"], row["host_us"], row["uncovered"] = time_calls(calls, device)
                 if name == "cudnorm":
                     decision = _decision(cell, sets)
                     row["serves"] = decision.get("serves", "")

@@ -13,7 +13,7 @@ from pathlib import Path
 from . import report
 from .sweep import PROVIDERS
 
-_INTS = ("cols", "rows", "elements")
+_INTS = ("cols", "rows", "elements", "uncovered")
 _FLOATS = ("gpu_ms", "host_us", "ratio_vs_torch", "measure_ms")
 
 
@@ -245,8 +245,21 @@ def heatmaps(rows: list[dict], device_name: str, out: Path) -> list[Path]:
     return paths
 
 
+def uncovered_table(rows: list[dict], count: int = 20) -> list[list[str]]:
+    """The rows with rounds whose leading GPU sleep the host outlasted even when timed again
+    (:func:`cudnorm._sleep_timing.timed_burst`): their GPU time may include waits on the host.
+    Most such rounds first; a sweep written before the column existed has none."""
+    hit = sorted((r for r in rows if r.get("uncovered")), key=lambda r: (-r["uncovered"], _case(r), r["cols"]))
+    lines = [["cell", "N", "rows", "provider", "uncovered rounds", "gpu ms", "host us"]]
+    for r in hit[:count]:
+        lines.append([_case(r), str(r["cols"]), str(r["rows"]), r["provider"], str(r["uncovered"]),
+                      f"{r['gpu_ms']:.4f}" if r.get("gpu_ms") else "-", f"{r['host_us']:.0f}" if r.get("host_us") else "-"])
+    return lines
+
+
 def summary_markdown(rows: list[dict], meta: dict) -> str:
     parts = ["# cudnorm bench --sweep", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
+    uncovered = uncovered_table(rows)
     for title, lines in (("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows)),
                          ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows)),
                          ("Worst cell of each provider", worst_per_provider(rows)),
@@ -254,6 +267,9 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
                          ("The cells with the most gain left", left_table(rows)),
                          ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows)),
                          ("First-call measurement (the dispatcher timing a signature's candidates)",
-                          measure_costs(rows))):
-        parts += ["", f"## {title}", "", report.markdown_table(lines) if len(lines) > 1 else "(nothing timed)"]
+                          measure_costs(rows)),
+                         ("Rounds the host outlasted the GPU sleep of (GPU time may include host waits)",
+                          uncovered)):
+        empty = "(none: every round's sleep outlasted the host)" if lines is uncovered else "(nothing timed)"
+        parts += ["", f"## {title}", "", report.markdown_table(lines) if len(lines) > 1 else empty]
     return "\n".join(parts) + "\n"
