@@ -44,8 +44,8 @@ def timed_burst(enqueue: Callable[[], object], host_guess_ms: float, retries: in
     (the host's expected enqueueing time of the whole burst, ms). Where the GPU reached the
     start event before ``enqueue`` returned, the burst is timed again behind a sleep sized
     from the host time it took, at most ``retries`` times; the last burst is returned."""
-    guess = host_guess_ms
-    for attempt in range(retries + 1):
+    guess, attempt = host_guess_ms, 0
+    while True:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(SLEEP_CYCLES_PER_MS * (SLEEP_FACTOR * guess + SLEEP_MARGIN_MS)))
         start.record()
@@ -58,5 +58,4 @@ def timed_burst(enqueue: Callable[[], object], host_guess_ms: float, retries: in
         end.synchronize()
         if covered or attempt == retries:
             return Burst(start.elapsed_time(end), host_ms, covered)
-        guess = max(host_ms, 2 * guess)
-    raise AssertionError("unreachable")
+        guess, attempt = max(host_ms, 2 * guess), attempt + 1

@@ -75,6 +75,9 @@ NAMES = {v: k for k, v in DTYPES.items()}
 PROVIDERS = ("torch", "cudnorm", "cudnn", "kernel", "liger", "quack", "copy", "torch-again")
 COLUMNS = ("op", "direction", "dtype", "weight_dtype", "bias", "cols", "rows", "elements", "provider",
            "gpu_ms", "host_us", "uncovered", "ratio_vs_torch", "serves", "decision", "measure_ms", "error")
+# columns added since the first sweeps: a sweep.csv written before them still reads (without them)
+LATER_COLUMNS = ("uncovered",)
+REQUIRED_COLUMNS = tuple(c for c in COLUMNS if c not in LATER_COLUMNS)
 EPS = 1e-5
 ROUNDS = 3
 MAX_PASSES = 4  # passes over the input sets per round, for cells whose calls take microseconds

@@ -165,7 +165,7 @@ def _against(path: Path, earlier: Path) -> int:
         try:
             with open(file, newline="") as f:
                 columns = set(next(csv.reader(f), []))
-            if not set(sweep.COLUMNS) <= columns:
+            if not set(sweep.REQUIRED_COLUMNS) <= columns:
                 raise _args.UsageError(flag, f"{str(file)!r} is not a sweep.csv (--against compares two sweeps)")
             runs.append(sweep_report.read_csv(file))
         except (UnicodeDecodeError, csv.Error, KeyError, ValueError, TypeError) as exc:
@@ -198,7 +198,7 @@ def _from_csv(path: Path, call: str | None) -> int:
         raise _args.UsageError("--from-csv", f"{str(path)!r} is not a CSV file ({exc})") from None
     if call is not None and "call" not in columns:
         raise _args.UsageError("--call", f"{str(path)!r} has no 'call' column")
-    kinds = [(sweep.COLUMNS, _redraw_sweep), (report.COLUMNS, _redraw_ops), (models.BASE_COLUMNS, _redraw_models),
+    kinds = [(sweep.REQUIRED_COLUMNS, _redraw_sweep), (report.COLUMNS, _redraw_ops), (models.BASE_COLUMNS, _redraw_models),
              (host_overhead.COLUMNS, _redraw_host)]
     redraw = next((redraw for needed, redraw in kinds if set(needed) <= columns), None)
     if redraw is None:
