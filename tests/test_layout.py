@@ -17,8 +17,8 @@ ROOT = pathlib.Path(cudnorm.__file__).parent
 
 # Library modules, lowest first; a module may import modules of lower layers only.
 LAYERS = [
-    ("_entry", "_gpu_lock", "_lru", "_ops", "_patch_table", "_progress", "_spec", "_version", "_warn",
-     "reference"),  # no package imports
+    ("_entry", "_gpu_lock", "_lru", "_ops", "_patch_table", "_progress", "_sleep_timing", "_spec", "_version",
+     "_warn", "reference"),  # no package imports
     ("_triton_launch",),  # what C++ needs to launch a compiled kernel; Python's launches through C++
     ("_ada_kernel", "_norm_kernel"),  # cudnorm's Triton kernels (C++ launches them: _triton_launch)
     ("_ada_rms", "_gated", "_settings", "_token_ada"),  # adaptive RMSNorm's formula and kernels; the gated
