@@ -259,17 +259,16 @@ def uncovered_table(rows: list[dict], count: int = 20) -> list[list[str]]:
 
 def summary_markdown(rows: list[dict], meta: dict) -> str:
     parts = ["# cudnorm bench --sweep", ""] + [f"- **{k}**: {v}" for k, v in meta.items()]
-    uncovered = uncovered_table(rows)
-    for title, lines in (("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows)),
-                         ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows)),
-                         ("Worst cell of each provider", worst_per_provider(rows)),
-                         ("Gain left: a faster choice on the GPU than what served", gain_left(rows)),
-                         ("The cells with the most gain left", left_table(rows)),
-                         ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows)),
-                         ("First-call measurement (the dispatcher timing a signature's candidates)",
-                          measure_costs(rows)),
-                         ("Rounds the host outlasted the GPU sleep of (GPU time may include host waits)",
-                          uncovered)):
-        empty = "(none: every round's sleep outlasted the host)" if lines is uncovered else "(nothing timed)"
+    nothing = "(nothing timed)"
+    for title, lines, empty in (
+            ("Worst 20 cells (cudnorm / PyTorch GPU time, lowest first)", worst_table(rows), nothing),
+            ("Median ratio, widths >= 512 at >= 2^21 elements", medians(rows), nothing),
+            ("Worst cell of each provider", worst_per_provider(rows), nothing),
+            ("Gain left: a faster choice on the GPU than what served", gain_left(rows), nothing),
+            ("The cells with the most gain left", left_table(rows), nothing),
+            ("Narrow widths: bandwidth as a fraction of a copy's", copy_fractions(rows), nothing),
+            ("First-call measurement (the dispatcher timing a signature's candidates)", measure_costs(rows), nothing),
+            ("Rounds the host outlasted the GPU sleep of (GPU time may include host waits)", uncovered_table(rows),
+             "(none: every round's sleep outlasted the host)")):
         parts += ["", f"## {title}", "", report.markdown_table(lines) if len(lines) > 1 else empty]
     return "\n".join(parts) + "\n"
