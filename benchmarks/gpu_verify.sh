@@ -3,13 +3,15 @@
 # cut short still leaves its output). Run from the repo root with cudnn-frontend importable:
 #   bash benchmarks/gpu_verify.sh OUT_DIR STAGE...
 # Stages: tests-parallel tests-core tests-ada tests-store tests-rows tests-dist dist-steps dist-steps-dit
-#         notebooks notebooks-store host api autotune bench-ln bench-rms sweep sweep-bare sweep-fp32-weights ada rows
+#         notebooks notebooks-store host api autotune bench-ln bench-rms sweep sweep-bare sweep-fp32-weights sweep-axes ada rows
 #         real-diffusers real-transformers
 #         diffusers-all
 # sweep: cudnorm bench --sweep (default grid: widths x rows, cudnorm/cudnn/kernel/torch/torch-again, and the prior
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own. With SWEEP_AGAINST=an
 #   earlier sweep.csv, the two compared cell by cell (cudnorm bench --from-csv ... --against) into OUT/sweep/against.txt.
 #   sweep-bare, sweep-fp32-weights: the same cells without weights, and with fp32 weights (one call each).
+# sweep-axes: the axes the default grid holds fixed, each on AXES_WIDTHS (the cliffs, the narrow widths, the published
+#   model widths) in a quarter of SWEEP_LIMIT: 2^21 elements, fp32 weights, fp16 and fp32 input, into OUT/sweep-axes/<axis>.
 # Plan stores go under STORES (default $TMPDIR/cudnorm-stores, a folder per OUT), not OUT.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
@@ -134,6 +136,15 @@ PY
                    python3 -m cudnorm.cli bench --from-csv "$out/$stage/sweep.csv" --against "$SWEEP_AGAINST" \
                      > "$out/$stage/against.txt" 2>&1; head -20 "$out/$stage/against.txt"
                  fi ;;
+    sweep-axes)  widths=${AXES_WIDTHS:-64,72,88,96,128,160,192,256,320,384,512,640,768,896,1024,1152,1280,1408,1536,1920,2048,2240,2304,2560,3072,3584,3840,4096,4608,5120,6144,8192,12288,16384}
+                 for axis in "rows21:--sweep default --elements 21" "fp32-weights:--sweep fp32-weights" \
+                             "fp16:--sweep default --dtype fp16" "fp32:--sweep default --dtype fp32"; do
+                   name=${axis%%:*}
+                   # shellcheck disable=SC2086  # the axis's flags split on purpose
+                   CUDNORM_PLAN_STORE_DIR="$stores/sweep-axes-$name" timeout $(( ${SWEEP_LIMIT:-560} / 4 )) \
+                     python3 -m cudnorm.cli bench ${axis#*:} --widths "$widths" \
+                     --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/sweep-axes/$name" 2>&1 | tail -14
+                 done ;;
     lookup)      timeout 120 python3 benchmarks/decision_lookup.py --out "$out" 2>&1 | tee "$out/lookup.log" | tail -8 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;

@@ -288,3 +288,23 @@ def test_rounds_the_host_outlasted_the_sleep_of_are_counted_and_listed(monkeypat
     assert [line[3:5] for line in table[1:]] == [["cudnorm", "2"], ["kernel", "1"]]
     assert "every round's sleep outlasted the host" in sweep_report.summary_markdown(rows[1:2], {})
     assert "| cudnorm | 2 |" in sweep_report.summary_markdown(rows, {})
+
+
+class _CudaInput:
+    """A stand-in for a CUDA tensor (``is_cuda``, ``dtype``): what the torch column sees."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_torch_column_casts_fp32_weights_only_where_pytorchs_cuda_layer_norm_refuses_them(on_cuda, monkeypatch):
+    """PyTorch's CUDA LayerNorm raises on fp32 weights with bf16 input (the first fp32-weights
+    sweep left every such cell without a torch column): there the column casts the weights, as
+    a PyTorch user must; on a CPU, whose op takes the mix, the call is PyTorch's as written."""
+    seen = []
+    monkeypatch.setattr(sweep.F, "layer_norm", lambda x, n, w, b, eps: seen.append((w.dtype, b.dtype)))
+    x = _CudaInput() if on_cuda else torch.randn(4, 8, dtype=torch.bfloat16)
+    cell = sweep.Cell("layer_norm", "train", torch.bfloat16, torch.float32, True, 8, 4)
+    sweep._functional(cell, "torch")(x, torch.ones(8), torch.zeros(8))
+    assert seen == [(torch.bfloat16, torch.bfloat16) if on_cuda else (torch.float32, torch.float32)]

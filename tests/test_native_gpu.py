@@ -9,7 +9,11 @@ the other GPU tests' job, which run on whichever path is active. The suite skips
 when run with ``CUDNORM_NATIVE=off``.
 """
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -686,6 +690,75 @@ def test_threads_share_recipes_safely():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+# A new process (so that PyTorch's autograd worker thread is new too): the kernel served first
+# from a thread of the user's, then as the first backward of the process. Neither thread has a
+# current CUDA context when it starts, and the caching allocator holds blocks for every buffer
+# the calls take, so that no cudaMalloc binds one before the kernel's launch does.
+NO_CONTEXT_CHILD = """
+import ctypes, threading, torch
+import cudnorm
+from cudnorm import _entry
+
+libcuda = ctypes.CDLL("libcuda.so.1")
+
+def current_context():
+    ctx = ctypes.c_void_p()
+    assert libcuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return ctx.value
+
+rows, n = 1 << 16, 64
+gen = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+w = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).requires_grad_()  # fp32, as the sweep's cell
+b = (0.1 * torch.randn(n, device="cuda", generator=gen)).requires_grad_()
+dy = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16)
+assert _entry.try_native(x)
+kernel = _entry.SERVERS["kernel"]
+
+def call():
+    return _entry.layer_norm(x, [n], w, b, 1e-5, kernel)
+
+with torch.no_grad():
+    expected = call()
+for size in (1 << 28, 1 << 10):  # a large and a small segment, cached once freed
+    block = torch.empty(size, dtype=torch.uint8, device="cuda")
+    del block
+found = {}
+
+def users_thread():
+    try:
+        found["context"] = current_context()
+        with torch.no_grad():
+            found["y"] = call()
+    except Exception as exc:
+        found["error"] = exc
+
+thread = threading.Thread(target=users_thread)
+thread.start()
+thread.join()
+assert found["context"] is None, "a new thread had a current context: nothing is tested"
+assert "error" not in found, found.get("error")
+assert torch.equal(found["y"], expected)
+grads = torch.autograd.grad(call(), (x, w, b), dy)
+reference = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+for got, want in zip(grads, torch.autograd.grad(reference, (x, w, b), dy.double())):
+    torch.testing.assert_close(got.double(), want.double(), atol=0.05, rtol=0.05)
+print("launched")
+"""
+
+
+def test_kernel_launches_from_threads_without_a_cuda_context():
+    """cuLaunchKernel needs the thread's current context, which c10 does not bind on a thread
+    whose device is already the one asked for: the fp32-weights sweep's first training cell
+    failed with CUresult 201 (CUDA_ERROR_INVALID_CONTEXT) in the kernel's backward, the first
+    CUDA call of PyTorch's autograd worker thread."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", NO_CONTEXT_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "launched" in done.stdout, done.stderr[-3000:]
 
 
 def test_a_configuration_block_keeps_the_recipes_of_the_one_around_it():

@@ -230,10 +230,20 @@ def _functional(cell: Cell, name: str) -> Callable:
     if name == "kernel":
         return _kernel_call(cell)
     if cell.op == "layer_norm":
-        fn = F.layer_norm if name.startswith("torch") else cudnorm.layer_norm
+        fn = _torch_layer_norm if name.startswith("torch") else cudnorm.layer_norm
         return lambda x, w, b: fn(x, n, w, b, EPS)
     fn = F.rms_norm if name.startswith("torch") else cudnorm.rms_norm
     return lambda x, w, b: fn(x, n, w, EPS)
+
+
+def _torch_layer_norm(x, n, w, b, eps):
+    """PyTorch's LayerNorm as a PyTorch user calls it. Its CUDA kernel refuses fp32 weights on
+    half-precision input ("expected scalar type BFloat16 but found Float"), so there the weights
+    are cast to the input's dtype first: the call such a user writes to make it run (its cast
+    and the cast's backward timed with it)."""
+    if x.is_cuda and any(p is not None and p.dtype != x.dtype for p in (w, b)):
+        w, b = (None if p is None else p.to(x.dtype) for p in (w, b))
+    return F.layer_norm(x, n, w, b, eps)
 
 
 def _kernel_call(cell: Cell) -> Callable:

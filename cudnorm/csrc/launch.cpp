@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
@@ -50,6 +51,20 @@ LaunchKernelFn driver_launch() {
   return fn;
 }
 
+// cuLaunchKernel runs in the context current on the calling thread, and a thread may have none:
+// c10 skips cudaSetDevice when the device asked for is already the thread's (device 0 on a new
+// thread), so PyTorch's autograd worker, or a user's own thread, reaches a backward or forward
+// whose first CUDA call is this launch without one, and the launch failed with
+// CUDA_ERROR_INVALID_CONTEXT (201; the fp32-weights sweep's first training cell). cudaSetDevice
+// binds the device's primary context (the one PyTorch's streams belong to), once per thread.
+void bind_primary_context() {
+  thread_local bool bound = false;
+  if (!bound) {
+    C10_CUDA_CHECK(cudaSetDevice(c10::cuda::current_device()));
+    bound = true;
+  }
+}
+
 }  // namespace
 
 void launch_kernel(const KernelLaunch& kernel, int64_t blocks, const std::vector<const void*>& pointers,
@@ -61,6 +76,7 @@ void launch_kernel(const KernelLaunch& kernel, int64_t blocks, const std::vector
   for (size_t i = 0; i < pointers.size(); ++i) params.push_back(const_cast<const void**>(&values[i]));
   for (const int32_t& value : ints) params.push_back(const_cast<int32_t*>(&value));
   for (size_t i = pointers.size(); i < values.size(); ++i) params.push_back(const_cast<const void**>(&values[i]));
+  bind_primary_context();
   void* stream = c10::cuda::getCurrentCUDAStream().stream();
   const int status = driver_launch()(reinterpret_cast<void*>(kernel.function), static_cast<unsigned>(blocks), 1, 1,
                                      static_cast<unsigned>(kernel.threads), 1, 1,
