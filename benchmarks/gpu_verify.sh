@@ -10,8 +10,8 @@
 #   OUT/sweep/prior.json to copy into cudnorm/priors/); its plans go to a store of its own. With SWEEP_AGAINST=an
 #   earlier sweep.csv, the two compared cell by cell (cudnorm bench --from-csv ... --against) into OUT/sweep/against.txt.
 #   sweep-bare, sweep-fp32-weights: the same cells without weights, and with fp32 weights (one call each).
-# sweep-axes: the axes the default grid holds fixed, each on AXES_WIDTHS (the cliffs, the narrow widths, the published
-#   model widths) in a quarter of SWEEP_LIMIT: 2^21 elements, fp32 weights, fp16 and fp32 input, into OUT/sweep-axes/<axis>.
+#   sweep-axes: what the default grid holds fixed (2^21 elements, fp32 weights, fp16 and fp32 input) on the cliffs,
+#   narrow and model widths (cudnorm bench --sweep axes, one call).
 # Plan stores go under STORES (default $TMPDIR/cudnorm-stores, a folder per OUT), not OUT.
 # tests-parallel: every gpu-marked test but the 2-GPU ones, split over PARALLEL (default 6) pytest
 # processes sharing the GPU (graph builds are CPU-bound: one process takes more than 10 minutes);
@@ -127,7 +127,7 @@ PY
     autotune)    timeout 300 python3 benchmarks/autotune_agreement.py --processes 2 layer_norm:bwd:4096x3072 layer_norm:bwd:4096x1152 rms_norm:train:32768x16384 layer_norm:train:32768x1024 2>&1 | tee "$out/autotune.log" | tail -20 ;;
     bench-ln)    timeout 300 python3 -m cudnorm.cli bench --ops ln_fwd,ln_bwd --out "$out/bench-ln" 2>&1 | tail -30 ;;
     bench-rms)   timeout 240 python3 -m cudnorm.cli bench --ops rms_fwd,rms_bwd --out "$out/bench-rms" 2>&1 | tail -30 ;;
-    sweep|sweep-bare|sweep-fp32-weights)  # the default grid, or a variant of it (cudnorm bench --sweep bare, ...)
+    sweep|sweep-bare|sweep-fp32-weights|sweep-axes)  # the default grid, or a variant (cudnorm bench --sweep bare, ...)
                  kind=default; [ "$stage" = sweep ] || kind=${stage#sweep-}
                  CUDNORM_PLAN_STORE_DIR="$stores/$stage-plan-store" timeout "${SWEEP_LIMIT:-560}" python3 -m cudnorm.cli bench \
                    --sweep "$kind" --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/$stage" 2>&1 | tail -40
@@ -136,15 +136,6 @@ PY
                    python3 -m cudnorm.cli bench --from-csv "$out/$stage/sweep.csv" --against "$SWEEP_AGAINST" \
                      > "$out/$stage/against.txt" 2>&1; head -20 "$out/$stage/against.txt"
                  fi ;;
-    sweep-axes)  widths=${AXES_WIDTHS:-64,72,88,96,128,160,192,256,320,384,512,640,768,896,1024,1152,1280,1408,1536,1920,2048,2240,2304,2560,3072,3584,3840,4096,4608,5120,6144,8192,12288,16384}
-                 for axis in "rows21:--sweep default --elements 21" "fp32-weights:--sweep fp32-weights" \
-                             "fp16:--sweep default --dtype fp16" "fp32:--sweep default --dtype fp32"; do
-                   name=${axis%%:*}
-                   # shellcheck disable=SC2086  # the axis's flags split on purpose
-                   CUDNORM_PLAN_STORE_DIR="$stores/sweep-axes-$name" timeout $(( ${SWEEP_LIMIT:-560} / 4 )) \
-                     python3 -m cudnorm.cli bench ${axis#*:} --widths "$widths" \
-                     --providers torch,cudnorm,cudnn,kernel,copy,torch-again --out "$out/sweep-axes/$name" 2>&1 | tail -14
-                 done ;;
     lookup)      timeout 120 python3 benchmarks/decision_lookup.py --out "$out" 2>&1 | tee "$out/lookup.log" | tail -8 ;;
     ada)         timeout 150 python3 benchmarks/ada_backward_strategies.py --out "$out" 2>&1 | tee "$out/ada.log" | tail -12 ;;
     rows)        timeout 420 python3 benchmarks/variable_rows.py --passes 1 --csv "$out/variable_rows.csv" 2>&1 | tee "$out/rows.log" | grep -vE "nanobind|leaked" | tail -12 ;;

@@ -49,6 +49,33 @@ def test_variant_grids_are_the_default_cells_with_other_weights(kind, ops, weigh
     assert kind in sweep.KINDS
 
 
+def test_axes_sweep_covers_what_the_default_holds_fixed():
+    """``--sweep axes``: the default's ops at 2^21 elements, with fp32 weights, on fp16 and on fp32
+    input, each on the cliff, narrow and model widths; about the default's size (one call)."""
+    cells = list(dict.fromkeys(c for g in sweep.grids("axes") for c in sweep.cells(g)))
+    combos = {(c.dtype, c.weight, c.rows * c.cols <= 1 << 21) for c in cells}
+    assert combos == {(torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, torch.float32, False),
+                      (torch.float16, torch.float16, False), (torch.float32, torch.float32, False)}
+    assert {88, 96, 1152, 1408, 2240} <= {c.cols for c in cells} <= set(sweep.WIDTHS)
+    # per-head rows (2^26) at every narrow width of the three 2^25 axes; none at 2^21
+    assert {c.cols for c in cells if c.rows * c.cols > 1 << 25} == {n for n in sweep.AXES_WIDTHS if n <= 256}
+    assert not [c for c in cells if c.dtype == torch.bfloat16 and c.weight == torch.bfloat16 and c.rows * c.cols > 1 << 21]
+    assert 500 <= len(cells) <= len(sweep.cells(sweep.grid()))
+    assert sweep.grids("bare") == (sweep.grid("bare"),)
+
+
+def test_axes_sweep_runs_on_a_cpu_and_refuses_a_dtype(tmp_path, capsys):
+    out = tmp_path / "axes"
+    assert cli.main(["bench", "--sweep", "axes", "--widths", "64", "--elements", "10",
+                     "--providers", "torch,cudnorm", "--out", str(out)]) == 0
+    with open(out / "sweep.csv") as f:
+        seen = {(r["dtype"], r["weight_dtype"]) for r in csv.DictReader(f)}
+    assert seen == {("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp32", "fp32")}
+    capsys.readouterr()
+    assert cli.main(["bench", "--sweep", "axes", "--dtype", "fp16", "--out", str(out)]) == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
 def test_full_grid_and_filters():
     full = sweep.grid("full")
     assert full.counts == (1 << 17, 1 << 21, 1 << 25) and full.head_counts == (1 << 26, 1 << 27)

@@ -112,7 +112,20 @@ VARIANTS = {
     # fp32 weights on half-precision activations: a model kept in fp32 whose activations are cast
     "fp32-weights": (("layer_norm", True, True), ("rms_norm", True, False)),
 }
-KINDS = ("default", "full", *VARIANTS)
+# the axes the default grid holds fixed (its dtype, its weights' dtype, its element count), each
+# on AXES_WIDTHS: ``--sweep axes``, about 640 cells (one device call: 7 minutes on an H200). Its
+# first run found a failure no test had (a kernel launched first on a new thread, CUresult 201).
+AXES_WIDTHS = (64, 72, 88, 96, 128, 160, 192, 256,  # per-head widths, with the narrow cliffs 88/96
+               320, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 1920, 2048, 2240, 2304, 2560,
+               3072, 3584, 3840, 4096, 4608, 5120, 6144, 8192, 12288, 16384)
+_PLAIN = (("layer_norm", True, True), ("rms_norm", True, False))
+AXES = {  # name: (ops, input dtype, weight dtype, element count, per-head count or None)
+    "rows21": (_PLAIN, "bf16", "x", 1 << 21, None),
+    "fp32-weights": (VARIANTS["fp32-weights"], "bf16", "fp32", 1 << 25, 1 << 26),
+    "fp16": (_PLAIN, "fp16", "x", 1 << 25, 1 << 26),
+    "fp32": (_PLAIN, "fp32", "x", 1 << 25, 1 << 26),
+}
+KINDS = ("default", "full", *VARIANTS, "axes")
 
 
 def grid(kind: str = "default", dtype: str = "bf16") -> Grid:
@@ -136,6 +149,16 @@ def grid(kind: str = "default", dtype: str = "bf16") -> Grid:
                     (1 << 17, 1 << 21, 1 << 25), (1 << 26, 1 << 27))
     return Grid((("layer_norm", True, True), ("rms_norm", True, False)), ("train", "infer"), (dtype,), ("x",),
                 WIDTHS, (1 << 25,), (1 << 26,))
+
+
+def grids(kind: str = "default", dtype: str = "bf16") -> tuple[Grid, ...]:
+    """The grids a sweep of ``kind`` runs: :func:`grid`'s one, or for ``axes`` one per entry of
+    :data:`AXES` (its own dtypes: ``dtype`` does not apply)."""
+    if kind != "axes":
+        return (grid(kind, dtype),)
+    heads = tuple(n for n in AXES_WIDTHS if n in HEAD_WIDTHS)
+    return tuple(Grid(ops, ("train", "infer"), (x,), (w,), AXES_WIDTHS, (count,), () if head is None else (head,), heads)
+                 for ops, x, w, count, head in AXES.values())
 
 
 def narrowed(g: Grid, widths: Iterable[int] | None = None, exponents: Iterable[int] | None = None) -> Grid:

@@ -11,6 +11,8 @@ Run::
     cudnorm bench --from-csv benchmarks/results/<gpu>/bench.csv   # redraw the PNGs, reprint
     cudnorm bench --sweep [full] --out DIR   # LayerNorm/RMSNorm at every width and row count vs PyTorch,
                                              # and the dispatcher's prior: _bench/sweep.py
+    cudnorm bench --sweep axes --out DIR     # what the default holds fixed: 2^21 elements, fp32 weights,
+                                             # fp16 and fp32 input (bare, fp32-weights: other variants)
     cudnorm bench --sweep --quick            # a handful of cells, any device (seconds on a CPU)
     cudnorm bench --sweep --widths 88,96,2240 --elements 21,25 --providers torch,cudnorm,torch-again
     cudnorm bench --from-csv NEW/sweep.csv --against OLD/sweep.csv   # two sweeps cell by cell
@@ -101,7 +103,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep", nargs="?", const="default", choices=sweep.KINDS,
                         help="width x rows sweep of LayerNorm/RMSNorm vs PyTorch and the dispatcher's prior "
                              "(cudnorm/_bench/sweep.py); 'bare': the default's cells without weights, "
-                             "'fp32-weights': with fp32 weights; 'full': every dtype, weight dtype and direction")
+                             "'fp32-weights': with fp32 weights; 'axes': 2^21 elements, fp32 weights, fp16 and "
+                             "fp32 input, each on the cliffs, narrow and model widths; 'full': every dtype, weight "
+                             "dtype and direction")
     parser.add_argument("--widths", type=_ints, help="with --sweep: only these widths (e.g. 88,96,2240)")
     parser.add_argument("--elements", type=_ints, metavar="EXPONENTS",
                         help="with --sweep: only these element counts, as powers of two (e.g. 21,25)")
@@ -446,8 +450,11 @@ def _run_sweep(args, device: str) -> int:
     names = [n for n in _pick(args.providers, sweep.PROVIDERS, "providers")]
     if "torch" not in names:
         names.insert(0, "torch")  # every ratio is against it
-    grid = sweep.narrowed(sweep.grid("quick" if args.quick else args.sweep, args.dtype), args.widths, args.elements)
-    cells = sweep.cells(grid)
+    kind = "quick" if args.quick else args.sweep
+    if kind == "axes" and args.dtype != "bf16":
+        raise _args.UsageError("--dtype", "does not apply to --sweep axes (it sweeps bf16, fp16 and fp32 itself)")
+    grids = [sweep.narrowed(g, args.widths, args.elements) for g in sweep.grids(kind, args.dtype)]
+    cells = list(dict.fromkeys(c for g in grids for c in sweep.cells(g)))
     if not cells:
         raise _args.UsageError("--widths", "with --elements leaves no cell")
     started = time.perf_counter()
