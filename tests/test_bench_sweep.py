@@ -191,9 +191,9 @@ def test_medians_count_widths_that_do_not_divide_the_element_count():
 
 
 def test_measure_costs_summarise_the_dispatchers_first_calls():
-    rows = [_row("cudnorm", 1.0, measure_ms=ms) for ms in (4.0, 30.0, 8.0, None)] + [_row("torch", 1.0, measure_ms=99.0)]
-    assert sweep_report.measure_costs(rows) == [["measured signatures", "median ms", "p90 ms", "worst ms"],
-                                         ["3", "8.0", "8.0", "30.0"]]
+    rows = [_row("cudnorm", 1.0, measure_ms=ms) for ms in (4.0, 73.0, 30.0, 8.0, None)] + [_row("torch", 1.0, measure_ms=99.0)]
+    assert sweep_report.measure_costs(rows) == [["measured signatures", "median ms", "p90 ms", "worst ms", "over 50 ms"],
+                                         ["4", "19.0", "30.0", "73.0", "1"]]
     assert sweep_report.measure_costs([_row("cudnorm", 1.0)]) == [["measured signatures"]]
 
 
